@@ -1,14 +1,15 @@
 """Load a DeepSpeed-style JSON config into typed, validated zerotrain settings.
 
 The models mirror DeepSpeed's JSON keys and defaults, so an existing ``ds_config.json`` loads
-unchanged; ``load_config`` is the one entry point and the only exception it raises for bad input
-is ``ConfigError``, carrying the dotted key, the bad value and the likely fix.
+unchanged; ``load_config`` is the entry point (``load_activation_checkpointing`` reads that one
+section alone) and the only exception they raise for bad input is ``ConfigError``, carrying the
+dotted key, the bad value and the likely fix.
 
 Note: why unknown keys error but DeepSpeed-only keys warn
     A misspelt key (``zero_optimisation``) silently falls back to the default, and the run
     trains with a configuration nobody asked for; so a key that neither zerotrain nor DeepSpeed
     knows is an error, with the closest valid key as a hint. A real DeepSpeed key that
-    zerotrain has not implemented (``activation_checkpointing``) is different: the file is
+    zerotrain has not implemented (``flops_profiler``) is different: the file is
     valid, it was written for DeepSpeed, and refusing it would make sharing configs between
     the two impossible. Those keys are accepted, dropped, and named in one
     ``ZeroTrainConfigWarning`` per load, so the gap is visible without being fatal. They all
@@ -30,9 +31,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from .errors import ConfigError
 
 __all__ = [
-    "AdamParams", "BF16Config", "CheckpointConfig", "DataTypesConfig", "FP16Config", "OPTIMIZER_PARAMS",
-    "OffloadConfig", "OptimizerConfig", "SGDParams", "SchedulerConfig", "UNIMPLEMENTED_KEYS",
-    "ZeroConfig", "ZeroTrainConfig", "ZeroTrainConfigWarning", "load_config",
+    "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "CheckpointConfig",
+    "DataTypesConfig", "FP16Config", "OPTIMIZER_PARAMS", "OffloadConfig", "OptimizerConfig",
+    "SGDParams", "SchedulerConfig", "UNIMPLEMENTED_KEYS", "ZeroConfig", "ZeroTrainConfig",
+    "ZeroTrainConfigWarning", "load_activation_checkpointing", "load_config",
 ]
 
 PrecisionName = Literal["fp32", "bf16", "fp16"]
@@ -44,7 +46,7 @@ class ZeroTrainConfigWarning(UserWarning):
 
 # DeepSpeed keys zerotrain accepts but ignores, by section (dotted path, "" = top level).
 _UNIMPLEMENTED_NAMES = {
-    "": """activation_checkpointing aio amp autotuning comet comms_logger
+    "": """aio amp autotuning comet comms_logger
         communication_data_type compile compression_training csv_monitor curriculum_learning
         data_efficiency dataloader_drop_last disable_allgather disable_python_gc dump_state
         eigenvalue elasticity expert_parallel flops_profiler gradient_allreduce_op
@@ -126,6 +128,7 @@ class OffloadConfig(_Section):
     max_in_cpu: Count = 1_000_000_000
     ratio: float = Field(1.0, ge=0, le=1)
     fast_init: bool = False
+    dpu: bool = False   # offload_optimizer: one-step delayed parameter update (ZeRO-Offload)
 
 
 class ZeroConfig(_Section):
@@ -221,6 +224,25 @@ class SchedulerConfig(_Section):
     params: Dict[str, Any] = Field(default_factory=dict)
 
 
+class ActivationCheckpointingConfig(_Section):
+    """DeepSpeed's ``activation_checkpointing`` section, used by ``zerotrain.checkpointing``.
+
+    ``cpu_checkpointing`` keeps checkpointed inputs in host memory; ``synchronize_checkpoint_
+    boundary`` synchronizes CUDA around each checkpointed segment; ``profile`` logs each
+    segment's forward and recomputation time at DEBUG. ``partition_activations`` and
+    ``contiguous_memory_optimization`` (with ``number_checkpoints`` buffers) only act across
+    a model-parallel group; in data-parallel training they change nothing (Note "options
+    that need model parallelism" in ``checkpointing.py``).
+    """
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: Optional[Size] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
 class ZeroTrainConfig(_Section):
     """The whole validated config; build it with ``load_config``, which resolves the batch sizes."""
 
@@ -235,6 +257,8 @@ class ZeroTrainConfig(_Section):
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig)
     steps_per_print: int = Field(10, ge=1)
     wall_clock_breakdown: bool = False
     # zerotrain's own keys (not DeepSpeed's)
@@ -317,6 +341,22 @@ def read_config_dict(config: Any) -> Dict[str, Any]:
     For the few values needed before the world size is known (``comms_timeout``).
     """
     return _read(config)
+
+
+def load_activation_checkpointing(config: Union[Mapping[str, Any], str, "os.PathLike[str]",
+                                                 None]) -> ActivationCheckpointingConfig:
+    """Validate only the ``activation_checkpointing`` section of ``config`` (a dict or a JSON
+    path), with the same key checks as ``load_config``; the defaults when it has none.
+
+    For ``checkpointing.configure``, which DeepSpeed scripts call with the config file and
+    which needs no world size; the rest of the file is validated by ``initialize``.
+    """
+    name = "activation_checkpointing"
+    section = _read(config).get(name, {})
+    _reject_auto(section, name)
+    walk = _Walk()
+    data = _clean(ActivationCheckpointingConfig, section, name, name, walk)
+    return _validate(ActivationCheckpointingConfig, data, name, walk)
 
 
 def _read(config: Any) -> Dict[str, Any]:

@@ -9,6 +9,7 @@ from torch import nn
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
 from .comm import Communicator
 from .errors import ConfigError
+from .offload import OffloadPlan, build_storage
 from .precision import PrecisionPolicy
 from .zero3.stage import PartitionedDataParallel
 from .stages.base import Stage, StepOutcome
@@ -30,15 +31,21 @@ def build_stage(stage: int, *, module: nn.Module,
     Stage 0 keeps a whole optimizer on every rank (shard world 1) and all-reduces
     gradients; stages 1 and 2 shard the optimizer over the data-parallel world and
     reduce-scatter gradients, at the boundary (1) or every micro-step (2). Stage 3 also
-    partitions the parameters, gathering them per unit around their use.
+    partitions the parameters, gathering them per unit around their use. With
+    ``offload_optimizer`` the fp32 state lives on the host (``offload/``) and is stepped
+    there; with ``offload_param`` stage 3 keeps its parameter shards on the host too.
     """
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_optimization.stage", f"stage {stage} does not exist; use 0-3",
+                          value=stage)
+    offload = OffloadPlan.from_config(zero_config)
+    storage = build_storage(offload, comm.rank)
     if stage == 3:
         return PartitionedDataParallel(module, [params for _, params in groups], comm=comm,
                                        policy=policy, zero_config=zero_config,
-                                       make_optimizer=make_optimizer)
-    if stage not in _GRAD_REDUCTION:
-        raise ConfigError("zero_optimization.stage", f"stage {stage} does not exist; use 0-3",
-                          value=stage)
+                                       make_optimizer=make_optimizer, storage=storage,
+                                       params_on_host=offload.param_offloaded,
+                                       delayed_update=offload.delayed_update)
     plan = ShardPlan(
         shard_world=1 if stage == 0 else comm.world_size,
         reduce_bucket_numel=int(zero_config.reduce_bucket_size),
@@ -47,4 +54,5 @@ def build_stage(stage: int, *, module: nn.Module,
         buckets=_GRAD_REDUCTION[stage],
     )
     return ShardedDataParallel(groups, comm=comm, policy=policy, plan=plan,
-                               make_optimizer=make_optimizer)
+                               make_optimizer=make_optimizer, storage=storage,
+                               delayed_update=offload.delayed_update)

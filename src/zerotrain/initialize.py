@@ -3,7 +3,8 @@
 The order matters and is written down here:
 1. the process group (``init_distributed``), because the batch-size triangle needs the world
    size;
-2. the config, validated the same way on every rank, before any collective;
+2. the config, validated the same way on every rank, before any collective (an
+   ``activation_checkpointing`` section configures ``zerotrain.checkpointing``);
 3. the module on its device and dtype;
 4. a fingerprint exchange, so ranks that disagree fail with a message instead of a hang;
 5. rank 0's parameters broadcast, so every rank starts from the same weights;
@@ -18,15 +19,15 @@ import hashlib
 import json
 import logging
 import os
-import warnings
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import checkpointing
 from .comm import DEFAULT_TIMEOUT, Communicator, init_distributed
-from .config import ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict
+from .config import ZeroTrainConfig, load_config, read_config_dict
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine
 from .errors import ConfigError, RankMismatchError
@@ -78,6 +79,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     comm = Communicator(debug=cfg.debug)
     policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype)
     _check_sections(cfg, optimizer, lr_scheduler)
+    if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
+        checkpointing.configure(None, deepspeed_config=cfg)
 
     device = _device()
     model = _place_module(model, device, policy.param_dtype)
@@ -149,13 +152,6 @@ def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
     if optimizer is None and cfg.optimizer is None:
         raise ConfigError("optimizer", "no optimizer: add an 'optimizer' section to the "
                           "config or pass initialize(optimizer=...)")
-    zero = cfg.zero_optimization
-    offloaded = [name for name in ("offload_optimizer", "offload_param")
-                 if getattr(zero, name) is not None and getattr(zero, name).device != "none"]
-    if offloaded:
-        warnings.warn(f"zero_optimization.{' and '.join(offloaded)}: offload is not available "
-                      "in this version; all state stays on the training device",
-                      ZeroTrainConfigWarning, stacklevel=3)
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler", "given both in the config and as initialize("
                           "lr_scheduler=...); remove one")
@@ -209,8 +205,11 @@ def _optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device)
             return retarget_optimizer(client, shards)
         shard_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": s}
                         for g, s in zip(groups, shards)]
+        offload = cfg.zero_optimization.offload_optimizer
+        on_host = offload is not None and offload.device != "none"
         return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, shard_groups,
-                               device=device)
+                               device=torch.device("cpu") if on_host else device,
+                               host_step=on_host)
     return make
 
 

@@ -45,14 +45,15 @@ def param_groups_from(model_parameters: Any) -> list[dict]:
 
 
 def build_optimizer(type_name: str, params: dict, groups: Sequence[dict],
-                    *, device: torch.device) -> torch.optim.Optimizer:
+                    *, device: torch.device, host_step: bool = False) -> torch.optim.Optimizer:
     """Build DeepSpeed's ``optimizer`` section over ``groups`` (whose params are shards).
 
     As in DeepSpeed, ``Adam`` means AdamW (decoupled weight decay) unless
-    ``adam_w_mode`` is false.
+    ``adam_w_mode`` is false. ``host_step``: the shards are offloaded fp32 state stepped
+    on the CPU, where torch's fused Adam is the fast path (no compiled ops of our own).
     """
     params = dict(params)
-    fast = _fast_path(device)
+    fast = {"fused": True} if host_step else _fast_path(device)
     if type_name in ("Adam", "AdamW"):
         adam_w_mode = params.pop("adam_w_mode", True)
         for ignored in ("torch_adam", "bias_correction"):

@@ -72,17 +72,25 @@ class Stage(Protocol):
         """Make the module's parameters equal the (possibly just loaded) master shards.
         Collective: every rank calls it."""
 
+    def settle(self) -> None:
+        """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""
+
+    def close(self) -> None:
+        """Release offload resources (threads, NVMe files)."""
+
 
 class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
-    clearing, and the step (``optimizer_step``, then ``publish_parameters``).
+    clearing, and the step (``prepare_gradients``, the update, then publishing).
 
     A subclass sets ``buckets``, ``optimizer``, ``comm`` and ``sharded`` (whether the
-    optimizer's shards differ between ranks) and implements ``shard_records`` (one record per
-    bucket layout, in the same order) and ``publish_parameters``.
+    optimizer's shards differ between ranks), and ``updater`` when offloading; it implements
+    ``shard_records`` (one record per bucket layout, in the same order) and
+    ``publish_record`` (record k's master to the module's parameters; collective).
     """
 
     _boundary = True
+    updater = None   # an offload.HostUpdater when the optimizer state lives on the host
 
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = boundary
@@ -98,30 +106,68 @@ class BucketedStage:
         self.buckets.collect()
         records = self.shard_records()
         summed = [self.buckets.reduced_shard(i) for i in range(len(records))]
-        outcome = optimizer_step(records, summed, optimizer=self.optimizer, comm=self.comm,
-                                 sharded=self.sharded, grad_scale=grad_scale, clip=clip)
-        if outcome.applied:
+        grads = prepare_gradients(records, summed, comm=self.comm, sharded=self.sharded,
+                                  grad_scale=grad_scale, clip=clip)
+        if isinstance(grads, StepOutcome):   # inf/nan: nothing is stepped
+            self.zero_grad()
+            return grads
+        if self.updater is None:
+            for record, grad in zip(records, grads.shards):
+                record.master.grad = grad
+            self.optimizer.step()
+            for record in records:
+                record.master.grad = None
             self.publish_parameters()
+        else:  # offloaded: the host steps record by record (offload/updater.py)
+            self.updater.step([r.master for r in records], grads.shards,
+                              publish=self.publish_record)
+            if not self.updater.delayed:
+                self.finish_publish()
         self.zero_grad()
-        return outcome
+        return StepOutcome(True, grads.norm)
+
+    def settle(self) -> None:
+        """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""
+        if self.updater is not None and self.updater.settle():
+            self.publish_parameters()
+
+    def publish_parameters(self) -> None:
+        """Make the module's parameters equal the master shards (collective)."""
+        for k in range(len(self.shard_records())):
+            self.publish_record(k)
+        self.finish_publish()
+
+    def finish_publish(self) -> None:
+        """After every record is published (stage 3 re-gathers its persistent units)."""
+
+    def close(self) -> None:
+        """Release offload resources (threads, NVMe files)."""
+        if self.updater is not None:
+            self.updater.close()
 
 
-def optimizer_step(records: Sequence[ShardRecord], summed: Sequence[torch.Tensor], *,
-                   optimizer: torch.optim.Optimizer, comm: Communicator, sharded: bool,
-                   grad_scale: float, clip: float) -> StepOutcome:
-    """The update every stage shares (Note "one step" in ``stages/zero12.py``).
+@dataclass(frozen=True, slots=True)
+class PreparedGradients:
+    shards: list[torch.Tensor]   # per record: fp32, averaged, unscaled and clipped
+    norm: float
+
+
+def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Tensor], *,
+                      comm: Communicator, sharded: bool, grad_scale: float,
+                      clip: float) -> "PreparedGradients | StepOutcome":
+    """What every stage does before the update (Note "one step" in ``stages/zero12.py``).
 
     ``summed[i]`` is record i's gradient shard summed over ranks. It is averaged, cast to
     fp32, measured (global L2 norm: one scalar all-reduce when ``sharded``), unscaled and
-    clipped in one multiply, and handed to ``optimizer`` as ``records[i].master.grad``. On
-    inf/nan nothing is stepped and the outcome names the first parameter affected.
+    clipped in one multiply, on the device that holds it. On inf/nan the result is the
+    failed StepOutcome naming the first parameter affected.
     """
     world = comm.world_size
     grads = []
     for record, shard in zip(records, summed):
         if world > 1:
             shard.div_(world)
-        grads.append(shard if shard.dtype == record.master.dtype else shard.to(record.master.dtype))
+        grads.append(shard if shard.dtype == torch.float32 else shard.float())
     sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
     for grad in grads:
         sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
@@ -133,14 +179,10 @@ def optimizer_step(records: Sequence[ShardRecord], summed: Sequence[torch.Tensor
     coef = 1.0 / grad_scale
     if clip > 0:
         coef *= min(1.0, clip / (norm + 1e-6))
-    for record, grad in zip(records, grads):
-        if coef != 1.0:
+    if coef != 1.0:
+        for grad in grads:
             grad.mul_(coef)
-        record.master.grad = grad
-    optimizer.step()
-    for record in records:
-        record.master.grad = None
-    return StepOutcome(True, norm)
+    return PreparedGradients(grads, norm)
 
 
 def _nonfinite_names(records: Sequence[ShardRecord], grads: Sequence[torch.Tensor],

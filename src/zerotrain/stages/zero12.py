@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch import nn
 from ..buckets import GradientBuckets
 from ..comm import Communicator
 from ..flat import Block, FlatLayout
+from ..offload import HostStorage, HostUpdater
 from ..precision import PrecisionPolicy
 from .base import BucketedStage, ShardRecord
 
@@ -53,6 +54,7 @@ class ShardedGroup:
     layout: FlatLayout
     master: torch.Tensor     # fp32, layout.shard_numel elements: what the optimizer steps
     aliased: bool            # the parameters are views of ``master`` (fp32, unsharded)
+    group_index: int         # the optimizer parameter group
 
 
 class ShardedDataParallel(BucketedStage):
@@ -60,37 +62,61 @@ class ShardedDataParallel(BucketedStage):
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Parameter]]], *,
                  comm: Communicator, policy: PrecisionPolicy, plan: ShardPlan,
-                 make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer]
-                 ) -> None:
+                 make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
+                 storage: Optional[HostStorage] = None, delayed_update: bool = False) -> None:
         self.comm = comm
         self.policy = policy
         self.plan = plan
+        self.storage = storage
         self.sharded = plan.shard_world > 1
         self.shard_rank = comm.rank if self.sharded else 0
-        self.groups = [self._shard_group(names, params) for names, params in groups]
-        self.optimizer = make_optimizer([[g.master] for g in self.groups])
-        device = self.groups[0].master.device if self.groups else torch.device("cpu")
+        self.device = next((p.device for _, ps in groups for p in ps), torch.device("cpu"))
+        self.groups = [self._shard_group(sub_names, sub_params, g)
+                       for g, (names, params) in enumerate(groups)
+                       for sub_names, sub_params in self._pieces(names, params)]
+        self.optimizer = make_optimizer([[sg.master for sg in self.groups if sg.group_index == g]
+                                         for g in range(len(groups))])
+        if storage is not None:  # Note: the host step (offload/updater.py)
+            self.updater = HostUpdater(self.optimizer, storage, delayed=delayed_update)
+            self.updater.attach([g.master for g in self.groups])
         self.buckets = plan.buckets([g.layout for g in self.groups], comm,
-                                    accum_dtype=policy.grad_accum_dtype, device=device,
+                                    accum_dtype=policy.grad_accum_dtype, device=self.device,
                                     overlap=plan.overlap_comm)
         self._hooks = [
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
             for g, group in enumerate(self.groups) for i, param in enumerate(group.params)]
 
     # ------------------------------------------------------------------ set-up
-    def _shard_group(self, names: list[str], params: list[nn.Parameter]) -> ShardedGroup:
-        layout = FlatLayout([p.numel() for p in params], world=self.plan.shard_world,
-                            bucket_numel=self.plan.reduce_bucket_numel)
-        device = params[0].device if params else torch.device("cpu")
-        master = torch.zeros(layout.shard_numel, dtype=self.policy.master_dtype, device=device)
+    def _layout(self, params: Sequence[nn.Parameter]) -> FlatLayout:
+        return FlatLayout([p.numel() for p in params], world=self.plan.shard_world,
+                          bucket_numel=self.plan.reduce_bucket_numel)
+
+    def _pieces(self, names: list[str], params: list[nn.Parameter]
+                ) -> list[tuple[list[str], list[nn.Parameter]]]:
+        """The group whole, or, when the host steps it, one piece per bucket, so that the
+        host never needs more than one bucket's gradient at a time."""
+        blocks = self._layout(params).blocks
+        if self.storage is None or len(blocks) <= 1:
+            return [(names, params)]
+        return [([names[i] for i in b.slots], [params[i] for i in b.slots]) for b in blocks]
+
+    def _shard_group(self, names: list[str], params: list[nn.Parameter],
+                     group_index: int) -> ShardedGroup:
+        layout = self._layout(params)
+        if self.storage is not None:
+            master = self.storage.zeros(layout.shard_numel, self.policy.master_dtype)
+        else:
+            master = torch.zeros(layout.shard_numel, dtype=self.policy.master_dtype,
+                                 device=self.device)
         for slot, param in zip(layout.slots, params):
             master[layout.shard_slice(slot)] = layout.shard_of_full(
                 param.detach(), slot, self.shard_rank).to(master.dtype)
-        aliased = layout.world == 1 and not self.policy.has_master_copy
+        aliased = (layout.world == 1 and not self.policy.has_master_copy
+                   and self.storage is None)
         if aliased:  # Note: master weights (precision.py): fp32 keeps no copy
             for slot, param in zip(layout.slots, params):
                 param.data = master[layout.shard_slice(slot)].view(param.shape)
-        return ShardedGroup(names, list(params), layout, master, aliased)
+        return ShardedGroup(names, list(params), layout, master, aliased, group_index)
 
     def _on_grad(self, g: int, index: int, param: nn.Parameter) -> None:
         if param.grad is None:
@@ -100,18 +126,18 @@ class ShardedDataParallel(BucketedStage):
         param.grad = None
 
     # ------------------------------------------------------------------ step
-    def publish_parameters(self) -> None:
-        """Write the master shards into every rank's full parameters (collective)."""
-        for group in self.groups:
-            if group.aliased:
-                continue
-            shard = group.master.to(self.policy.param_dtype)
-            if group.layout.world == 1:
-                for block in group.layout.blocks:
-                    matrix = shard[block.shard_offset: block.shard_offset + block.chunk]
-                    self._copy_out(group, block, matrix.view(1, block.chunk))
-            else:
-                self._gather_into_params(group, shard)
+    def publish_record(self, k: int) -> None:
+        """Write record (group) k's master shard into every rank's parameters (collective)."""
+        group = self.groups[k]
+        if group.aliased:
+            return
+        shard = group.master.to(device=self.device, dtype=self.policy.param_dtype)
+        if group.layout.world > 1:
+            self._gather_into_params(group, shard)
+            return
+        for block in group.layout.blocks:
+            matrix = shard[block.shard_offset: block.shard_offset + block.chunk]
+            self._copy_out(group, block, matrix.view(1, block.chunk))
 
     def _gather_into_params(self, group: ShardedGroup, shard: torch.Tensor) -> None:
         world = self.comm.world_size
@@ -142,8 +168,9 @@ class ShardedDataParallel(BucketedStage):
     def shard_records(self) -> list[ShardRecord]:
         return [ShardRecord(names=list(g.names), shapes=[tuple(p.shape) for p in g.params],
                             layout=g.layout, master=g.master,
-                            optimizer_state=self.optimizer.state[g.master], group_index=i)
-                for i, g in enumerate(self.groups)]
+                            optimizer_state=self.optimizer.state[g.master],
+                            group_index=g.group_index)
+                for g in self.groups]
 
     # ------------------------------------------------------------------ memory
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:

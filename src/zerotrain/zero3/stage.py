@@ -20,6 +20,7 @@ from torch import nn
 
 from ..buckets import ReduceScatterEveryMicroStep
 from ..comm import Communicator
+from ..offload import HostStorage, HostUpdater
 from ..precision import PrecisionPolicy
 from ..stages.base import BucketedStage, ShardRecord
 from .hooks import GatherPolicy, UnitScheduler, install_module_hooks
@@ -33,8 +34,9 @@ class PartitionedDataParallel(BucketedStage):
 
     def __init__(self, module: nn.Module, groups: Sequence[list[nn.Parameter]], *,
                  comm: Communicator, policy: PrecisionPolicy, zero_config,
-                 make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer]
-                 ) -> None:
+                 make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
+                 storage: Optional[HostStorage] = None, params_on_host: bool = False,
+                 delayed_update: bool = False) -> None:
         self.module = module
         self.comm = comm
         self.policy = policy
@@ -47,7 +49,8 @@ class PartitionedDataParallel(BucketedStage):
         specs = build_units(module, unit_numel=int(zero_config.stage3_prefetch_bucket_size),
                             persistence_threshold=int(
                                 zero_config.stage3_param_persistence_threshold))
-        self.units = [Unit(spec, comm=comm, policy=policy, group_of=group_of, device=device)
+        self.units = [Unit(spec, comm=comm, policy=policy, group_of=group_of, device=device,
+                           storage=storage, shard_on_host=params_on_host)
                       for spec in specs]
         # records: one per (unit, optimizer group), in unit order
         self._records: list[tuple[Unit, GroupSlice]] = [
@@ -59,6 +62,9 @@ class PartitionedDataParallel(BucketedStage):
         for (unit, s), master in zip(self._records, self._masters):
             per_group[s.group].append(master)
         self.optimizer = make_optimizer(per_group)
+        if storage is not None:  # Note: the host step (offload/updater.py)
+            self.updater = HostUpdater(self.optimizer, storage, delayed=delayed_update)
+            self.updater.attach(self._masters)
         self.buckets = ReduceScatterEveryMicroStep(
             [s.layout for _, s in self._records], comm, accum_dtype=policy.grad_accum_dtype,
             device=device, overlap=True)
@@ -87,10 +93,15 @@ class PartitionedDataParallel(BucketedStage):
         super().finish_backward()
         self.scheduler.end_backward()
 
-    def publish_parameters(self) -> None:
-        """Parameter-dtype shards follow the masters; persistent units re-gather."""
+    def publish_record(self, k: int) -> None:
+        """Record k's parameter-dtype shard follows its master (no communication)."""
+        unit, s = self._records[k]
+        unit.refresh_slice(s, self._masters[k])
+
+    def finish_publish(self) -> None:
+        """Persistent units re-gather (collective); the others gather at their next use."""
         for unit in self.units:
-            unit.refresh_shard()
+            unit.regather()
 
     # ------------------------------------------------------------------ state
     def shard_records(self) -> list[ShardRecord]:

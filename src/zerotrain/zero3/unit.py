@@ -5,7 +5,8 @@ Note: unit tensors
                  ``FlatLayout`` per optimizer group side by side (``column`` offsets); the
                  optimizer steps views of it, one per group.
     ``shard``    the same chunks in the parameter dtype; the same tensor as ``master`` in
-                 fp32 training. This is what is all-gathered.
+                 fp32 training without offload. This is what is all-gathered (copied to the
+                 device first when ``offload_param`` keeps it on the host).
     ``full``     the unit's full parameters, one flat buffer in the parameter dtype, present
                  only while gathered; each parameter's ``.data`` is a view of it then, and an
                  empty tensor otherwise (``partition.py``).
@@ -24,6 +25,7 @@ import torch
 from ..comm import Communicator
 from ..errors import StateError
 from ..flat import FlatLayout
+from ..offload import HostStorage
 from ..precision import PrecisionPolicy
 from . import partition as P
 from .units import UnitSpec
@@ -49,7 +51,8 @@ class GroupSlice:
 
 class Unit:
     def __init__(self, spec: UnitSpec, *, comm: Communicator, policy: PrecisionPolicy,
-                 group_of: dict[int, Optional[int]], device: torch.device) -> None:
+                 group_of: dict[int, Optional[int]], device: torch.device,
+                 storage: Optional[HostStorage] = None, shard_on_host: bool = False) -> None:
         self.spec = spec
         self.comm = comm
         self.policy = policy
@@ -57,9 +60,14 @@ class Unit:
         self.slices = self._group_slices(group_of)
         self.shard_numel = sum(s.layout.shard_numel for s in self.slices)
         self.numel = spec.numel
-        self.master = self._initial_master()
-        self.shard = (self.master if not policy.has_master_copy
-                      else self.master.to(policy.param_dtype))
+        self.master = self._initial_master(storage)
+        if not policy.has_master_copy and storage is None:
+            self.shard = self.master
+        else:  # offloaded masters live on the host; the shard stays where it is gathered from
+            self.shard = torch.empty(self.shard_numel, dtype=policy.param_dtype,
+                                     device="cpu" if shard_on_host else device,
+                                     pin_memory=shard_on_host and torch.cuda.is_available())
+            self.shard.copy_(self.master)
         self.full: Optional[torch.Tensor] = None
         self.state = UnitState.RELEASED
         self.holders = 0
@@ -85,10 +93,13 @@ class Unit:
             column += layout.shard_numel
         return slices
 
-    def _initial_master(self) -> torch.Tensor:
+    def _initial_master(self, storage: Optional[HostStorage]) -> torch.Tensor:
         """fp32 chunks, from zero.Init's chunks or from the full parameters."""
-        master = torch.zeros(sum(s.layout.shard_numel for s in self.slices),
-                             dtype=self.policy.master_dtype, device=self.device)
+        if storage is not None:
+            master = storage.zeros(self.shard_numel, self.policy.master_dtype)
+        else:
+            master = torch.zeros(self.shard_numel, dtype=self.policy.master_dtype,
+                                 device=self.device)
         rank, world = self.comm.rank, self.comm.world_size
         for s in self.slices:
             for slot, i in zip(s.layout.slots, s.indices):
@@ -120,7 +131,9 @@ class Unit:
             return
         world = self.comm.world_size
         out = torch.empty(world * self.shard_numel, dtype=self.shard.dtype, device=self.device)
-        work = self.comm.all_gather(out, self.shard, async_op=True,
+        shard = self.shard if self.shard.device == out.device else self.shard.to(
+            out.device, non_blocking=True)
+        work = self.comm.all_gather(out, shard, async_op=True,
                                     label=f"unit {self.spec.name or '<root>'}")
         self._pending = (work, out.view(world, self.shard_numel))
         self.state = UnitState.GATHERING
@@ -160,11 +173,15 @@ class Unit:
         self.full = None
         self.state = UnitState.RELEASED
 
-    def refresh_shard(self) -> None:
-        """After an optimizer step: the parameter-dtype shard follows the fp32 master, and a
-        persistent unit gathers its new full values (collective)."""
+    def refresh_slice(self, s: GroupSlice, master: torch.Tensor) -> None:
+        """After an optimizer step: the parameter-dtype shard of slice ``s`` follows
+        ``master`` (its fp32 values, wherever they are resident)."""
         if self.shard is not self.master:
-            self.shard.copy_(self.master)
+            self.shard[s.column: s.column + s.layout.shard_numel].copy_(master)
+
+    def regather(self) -> None:
+        """A persistent unit gathers its new full values (collective); others wait for
+        their next use."""
         if self.spec.persistent:
             self.state = UnitState.RELEASED
             self.start_gather()

@@ -1,0 +1,247 @@
+"""Host tensors for offloaded state: pinned RAM, or files under ``nvme_path``.
+
+Note: NVMe swapping
+    Every NVMe-backed tensor is a memory map of its own file (``torch.from_file``), unlinked
+    as soon as it is mapped: the space is reserved up front (``posix_fallocate``, so a full
+    disk fails at initialize, not mid-step) and the files disappear when the process exits,
+    however it exits. At rest a tensor reads and writes through the map, so checkpoints,
+    ``GatheredParameters`` and parameter refreshes need no special path. For the optimizer
+    step, a record's tensors (fp32 master, ``exp_avg``, ``exp_avg_sq``) are read with
+    ``preadv`` by a worker thread into a pinned slot, re-pointed there (``Tensor.set_``, so
+    the optimizer's keys stay the same objects), stepped, pointed home again and written
+    back by a worker while the next record steps. Three slots: one reading, one stepping,
+    one writing.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import queue
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .plan import OffloadPlan
+
+NVME_KEY = "zero_optimization.offload_optimizer.nvme_path"
+_IO_CHUNK = 1 << 30  # bytes per preadv/pwrite call (Linux caps one call near 2 GiB)
+
+
+def _pinnable(pin: bool) -> bool:
+    return bool(pin) and torch.cuda.is_available()
+
+
+class HostStorage:
+    """State in host RAM, pinned when asked (and CUDA exists): always resident."""
+
+    swaps = False
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin = _pinnable(pin_memory)
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+
+    def staging(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A transfer buffer (pinned when possible, so copies can be asynchronous)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+    # the swap protocol, trivially: everything is always in memory
+    def prefetch(self, key: int, tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def swap_in(self, key: int) -> None:
+        pass
+
+    def swap_out(self, key: int) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Home:
+    """Where a tensor lives at rest: a span of one mapped file."""
+
+    tensor: torch.Tensor
+    storage: torch.UntypedStorage
+    offset: int       # elements into ``storage``
+    numel: int
+    fd: int
+    byte_offset: int  # bytes into the file
+
+
+class NvmeStorage(HostStorage):
+    """State in files under ``directory``, swapped through pinned slots (Note above)."""
+
+    swaps = True
+
+    def __init__(self, directory: Optional[str], rank: int, *, slots: int = 3,
+                 pin_memory: bool = True) -> None:
+        super().__init__(pin_memory)
+        self.directory = _check_directory(directory)
+        self.path = tempfile.mkdtemp(prefix=f"zerotrain-swap-rank{rank}-", dir=self.directory)
+        self._fds: dict[int, int] = {}            # storage address -> file descriptor
+        self._count = 0
+        self._slots_wanted = max(2, slots)
+        self._slots: Optional[queue.Queue] = None
+        self._slot_numel = 0
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotrain-nvme")
+        self._reads: dict[int, tuple[Future, torch.Tensor, list[_Home]]] = {}
+        self._resident: dict[int, tuple[torch.Tensor, list[_Home]]] = {}
+        self._writes: list[Future] = []
+        self.reserved_bytes = 0
+
+    # ------------------------------------------------------------------ allocation
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if numel == 0:
+            return torch.zeros(0, dtype=dtype)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        name = os.path.join(self.path, f"state{self._count}.bin")
+        self._count += 1
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(name)
+            free = shutil.disk_usage(self.directory).free
+            raise ConfigError(NVME_KEY, f"cannot reserve {nbytes / 2**30:.2f} GiB more in "
+                              f"{self.directory!r} ({exc.strerror}; {free / 2**30:.2f} GiB "
+                              f"free, {self.reserved_bytes / 2**30:.2f} GiB reserved so far)"
+                              ) from exc
+        tensor = torch.from_file(name, shared=True, size=numel, dtype=dtype)
+        os.unlink(name)  # the map and the descriptor keep it; the kernel frees it at exit
+        self._fds[tensor.untyped_storage().data_ptr()] = fd
+        self.reserved_bytes += nbytes
+        return tensor
+
+    def home_of(self, tensor: torch.Tensor) -> _Home:
+        storage = tensor.untyped_storage()
+        fd = self._fds.get(storage.data_ptr())
+        if fd is None:
+            raise ValueError("tensor was not allocated by this NvmeStorage")
+        return _Home(tensor, storage, tensor.storage_offset(), tensor.numel(), fd,
+                     tensor.storage_offset() * tensor.element_size())
+
+    def reserve_slots(self, numel: int) -> None:
+        """Size the pinned slots for the largest record (``numel`` fp32 elements in all)."""
+        self._slot_numel = max(self._slot_numel, numel)
+
+    # ------------------------------------------------------------------ swapping
+    def prefetch(self, key: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Start reading ``tensors`` (all at rest, fp32) into a free slot."""
+        if key in self._reads or key in self._resident:
+            return
+        homes = [self.home_of(t) for t in tensors]
+        slot = self._take_slot(sum(h.numel for h in homes))
+        self._reads[key] = (self._io.submit(self._read, slot, homes), slot, homes)
+
+    def swap_in(self, key: int) -> None:
+        """Wait for ``key``'s read and point its tensors at the slot."""
+        future, slot, homes = self._reads.pop(key)
+        future.result()
+        at = 0
+        for home in homes:
+            home.tensor.set_(slot[at: at + home.numel])
+            at += home.numel
+        self._resident[key] = (slot, homes)
+
+    def swap_out(self, key: int) -> None:
+        """Point ``key``'s tensors home and write the slot back (asynchronously)."""
+        slot, homes = self._resident.pop(key)
+        for home in homes:
+            home.tensor.set_(home.storage, home.offset, (home.numel,))
+        self._writes.append(self._io.submit(self._write, slot, homes))
+
+    def drain(self) -> None:
+        """Wait for every write: at rest, the maps now hold the newest values."""
+        for future in self._writes:
+            future.result()
+        self._writes.clear()
+
+    def close(self) -> None:
+        self.drain()
+        self._io.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _take_slot(self, numel: int) -> torch.Tensor:
+        if numel > self._slot_numel:
+            raise ValueError(f"record of {numel} elements exceeds the reserved slot size "
+                             f"{self._slot_numel}")
+        if self._slots is None:
+            self._slots = queue.Queue()
+            for _ in range(self._slots_wanted):
+                self._slots.put(torch.empty(self._slot_numel, dtype=torch.float32,
+                                            pin_memory=self.pin))
+        for future in [f for f in self._writes if f.done()]:
+            future.result()  # surface a failed write here rather than lose it
+            self._writes.remove(future)
+        return self._slots.get()  # a write in flight returns its slot when it completes
+
+    def _read(self, slot: torch.Tensor, homes: list[_Home]) -> None:
+        at = 0
+        for home in homes:
+            _transfer(os.preadv, home.fd, slot[at: at + home.numel], home.byte_offset)
+            at += home.numel
+
+    def _write(self, slot: torch.Tensor, homes: list[_Home]) -> None:
+        try:
+            at = 0
+            for home in homes:
+                _transfer(os.pwritev, home.fd, slot[at: at + home.numel], home.byte_offset)
+                at += home.numel
+        finally:
+            self._slots.put(slot)
+
+
+def _transfer(call, fd: int, tensor: torch.Tensor, offset: int) -> None:
+    """Move ``tensor``'s bytes from (``os.preadv``) or to (``os.pwritev``) the file at
+    ``offset``, in chunks, retrying short transfers; releases the GIL while it waits."""
+    nbytes = tensor.numel() * tensor.element_size()
+    base = tensor.data_ptr()
+    done = 0
+    while done < nbytes:
+        size = min(_IO_CHUNK, nbytes - done)
+        view = (ctypes.c_char * size).from_address(base + done)
+        moved = call(fd, [view], offset + done)
+        if moved <= 0:
+            raise OSError(errno.EIO, f"short {'read' if call is os.preadv else 'write'} at "
+                          f"byte {offset + done} of an NVMe swap file")
+        done += moved
+
+
+def _check_directory(directory: Optional[str]) -> str:
+    if not directory:
+        raise ConfigError(NVME_KEY, 'is required when offload_optimizer.device is "nvme"')
+    if not os.path.isdir(directory):
+        raise ConfigError(NVME_KEY, f"{directory!r} is not an existing directory",
+                          value=directory)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(NVME_KEY, f"{directory!r} is not writable by this process",
+                          value=directory)
+    return os.path.abspath(directory)
+
+
+def build_storage(plan: OffloadPlan, rank: int) -> Optional[HostStorage]:
+    """The storage for offloaded optimizer state, or None when nothing is offloaded."""
+    if plan.optimizer == "nvme":
+        # the slots are few and bounded, so they are always pinned
+        return NvmeStorage(plan.nvme_path, rank, slots=plan.buffer_count, pin_memory=True)
+    if plan.optimizer_offloaded:
+        return HostStorage(plan.pin_memory)
+    return None

@@ -1,0 +1,163 @@
+"""The optimizer step on the host, one record at a time.
+
+Note: the host step
+    ``step`` receives each record's gradient shard on the training device, already averaged,
+    unscaled and clipped (``stages/base.prepare_gradients``). For record k it then
+
+    1. copies the gradient of record k+1 into a pinned staging buffer (asynchronous on
+       CUDA) and starts reading record k+1's state from NVMe, while
+    2. the optimizer (torch's fused CPU Adam) steps record k's fp32 master,
+    3. ``publish(k)`` sends record k's new values to the device (the stage knows how), and
+    4. record k's NVMe state is written back by a worker thread.
+
+    Host memory holds the fp32 state (12 bytes per parameter of this rank's shard) plus two
+    staging buffers of the largest record: no full-size fp32 gradient copy.
+
+Note: delayed parameter update
+    With ``offload_optimizer.dpu`` the step does not wait for the host: the gradients are
+    copied to the host and the update runs on a worker thread while the next micro-batches
+    run forward and backward on the parameters of the step before (the ZeRO-Offload
+    paper's one-step delay). ``settle`` joins it; the stage then publishes. Because the
+    gradient must outlive the step, this mode keeps one fp32 gradient shard on the host
+    (4 more bytes per parameter of the shard).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .storage import HostStorage
+
+_ADAM_STATE = ("exp_avg", "exp_avg_sq")
+
+
+class HostUpdater:
+    """Runs ``optimizer`` over host-resident records (Note "the host step")."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, storage: HostStorage, *,
+                 delayed: bool = False) -> None:
+        self.optimizer = optimizer
+        self.storage = storage
+        self.delayed = delayed
+        self._staging: list[torch.Tensor] = []
+        self._held: list[torch.Tensor] = []        # delayed mode: gradients kept for the worker
+        self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotrain-dpu")
+                        if delayed else None)
+        self._pending: Optional[Future] = None
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, masters: Sequence[torch.Tensor]) -> None:
+        """Give each master its optimizer state up front, allocated by the storage (NVMe
+        needs the state in its files; the optimizer then finds it and does not allocate)."""
+        if not self.storage.swaps:
+            return
+        for group in self.optimizer.param_groups:
+            if type(self.optimizer).__name__ not in ("Adam", "AdamW") or group.get("amsgrad"):
+                raise ConfigError("zero_optimization.offload_optimizer.device",
+                                  '"nvme" swaps Adam/AdamW state (exp_avg, exp_avg_sq); '
+                                  f"{type(self.optimizer).__name__}"
+                                  f"{' with amsgrad' if group.get('amsgrad') else ''} "
+                                  'is not supported there; use device "cpu"', value="nvme")
+        numel = 0
+        for master in masters:
+            state = self.optimizer.state[master]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                for key in _ADAM_STATE:
+                    state[key] = self.storage.zeros(master.numel())
+            numel = max(numel, master.numel() * (1 + len(_ADAM_STATE)))
+        self.storage.reserve_slots(numel)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+             publish: Callable[[int], None]) -> None:
+        """Step every record; ``publish(k)`` right after record k (not in delayed mode,
+        where the caller publishes after ``settle``)."""
+        if not self.delayed:
+            self._run(masters, grads, publish)
+            return
+        if len(self._held) != len(grads):
+            self._held = [self.storage.staging(g.numel()) for g in grads]
+        for held, grad in zip(self._held, grads):
+            held.copy_(grad, non_blocking=True)
+        _wait_for_device(grads)
+        self._pending = self._worker.submit(self._run, list(masters), self._held, None)
+
+    def settle(self) -> bool:
+        """Wait for a delayed update; True if one was pending (the caller then publishes)."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        pending.result()
+        return True
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self.settle()
+            self._worker.shutdown(wait=True)
+        self.storage.close()
+
+    def _run(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+             publish: Optional[Callable[[int], None]]) -> None:
+        count = len(masters)
+        if count == 0:
+            return
+        self._prefetch(masters, 0)
+        host = self._to_host(grads[0], 0)
+        for k, master in enumerate(masters):
+            if k + 1 < count:
+                self._prefetch(masters, k + 1)
+            _wait_for_device([grads[k]])
+            grad = host
+            if k + 1 < count:
+                host = self._to_host(grads[k + 1], (k + 1) % 2)
+            self.storage.swap_in(k)
+            master.grad = grad.view(master.shape)
+            self.optimizer.step()
+            master.grad = None
+            if publish is not None:
+                publish(k)
+            self.storage.swap_out(k)
+        self.storage.drain()
+
+    def _prefetch(self, masters: Sequence[torch.Tensor], k: int) -> None:
+        if not self.storage.swaps:
+            return
+        state = self._adopted_state(masters[k])
+        self.storage.prefetch(k, [masters[k]] + [state[key] for key in _ADAM_STATE])
+
+    def _adopted_state(self, master: torch.Tensor) -> dict:
+        """The master's state, moved into storage if something (a checkpoint load) replaced
+        a state tensor with an ordinary one."""
+        state = self.optimizer.state[master]
+        for key in _ADAM_STATE:
+            value = state.get(key)
+            try:
+                self.storage.home_of(value)
+            except (ValueError, AttributeError):
+                home = self.storage.zeros(master.numel())
+                if value is not None:
+                    home.copy_(value)
+                state[key] = home
+        return state
+
+    def _to_host(self, grad: torch.Tensor, slot: int) -> torch.Tensor:
+        """``grad`` as an fp32 host tensor: itself on CPU, else a staging buffer's copy."""
+        if grad.device.type == "cpu" and grad.dtype == torch.float32:
+            return grad
+        while len(self._staging) <= slot:
+            self._staging.append(self.storage.staging(0))
+        if self._staging[slot].numel() < grad.numel():
+            self._staging[slot] = self.storage.staging(grad.numel())
+        buffer = self._staging[slot][: grad.numel()]
+        buffer.copy_(grad, non_blocking=True)
+        return buffer
+
+
+def _wait_for_device(tensors: Sequence[torch.Tensor]) -> None:
+    """Asynchronous device-to-host copies must land before the host reads them."""
+    if any(t.device.type == "cuda" for t in tensors):
+        torch.cuda.current_stream().synchronize()

@@ -57,6 +57,7 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_outcome: Optional[StepOutcome] = None
+        self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
         self._timers: dict[str, float] = defaultdict(float)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
@@ -107,6 +108,7 @@ class ZeroEngine(nn.Module):
         if not self._backward_in_window:
             raise StateError("engine.step() reached an accumulation boundary without any "
                              "engine.backward(loss) since the last update")
+        self.settle()
         scale = self.loss_scaler.loss_scale if self.loss_scaler else 1.0
         outcome = self.stage.step(grad_scale=scale, clip=self.config.gradient_clipping)
         self._last_outcome = outcome
@@ -115,13 +117,36 @@ class ZeroEngine(nn.Module):
             self.loss_scaler.update(overflow=not outcome.applied)
         if outcome.applied:
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**lr_kwargs)
+                if self.stage.delays_update:  # the update still reads the current lr
+                    self._lr_step_due = lr_kwargs
+                else:
+                    self.lr_scheduler.step(**lr_kwargs)
         else:
             self._skip(outcome)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
             self._log_progress()
+
+    def settle(self) -> None:
+        """With ``offload_optimizer.dpu``, wait for the update running on the host, publish
+        it to the module and advance the LR scheduler; a no-op otherwise. Collective:
+        checkpoints, ``save_16bit_model`` and ``eval()`` call it, so they see the newest
+        parameters."""
+        self.stage.settle()
+        if self._lr_step_due is not None:
+            due, self._lr_step_due = self._lr_step_due, None
+            self.lr_scheduler.step(**due)
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        if not mode and "stage" in self.__dict__:
+            self.settle()
+        return super().train(mode)
+
+    def close(self) -> None:
+        """Finish pending work and release offload threads and NVMe swap files."""
+        self.settle()
+        self.stage.close()
 
     def _skip(self, outcome: StepOutcome) -> None:
         """A non-finite gradient: fp16 rescales; otherwise the ``nonfinite`` policy decides."""
@@ -230,6 +255,7 @@ class ZeroEngine(nn.Module):
             raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                               "save_16bit_model at stage 3 gathers the full weights; set it "
                               "to true (or use save_checkpoint and `zerotrain consolidate`)")
+        self.settle()
         export.save_16bit_model(self.module, self.comm, save_dir, save_filename,
                                 exclude_frozen_parameters)
         return True
@@ -257,6 +283,7 @@ class ZeroEngine(nn.Module):
         if self.micro_steps % self.gradient_accumulation_steps() != 0:
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
+        self.settle()
         self.last_checkpoint_report = checkpoint.save_checkpoint(
             self._training_state(), save_dir, tag=tag, client_state=client_state,
             save_latest=save_latest)
@@ -273,6 +300,7 @@ class ZeroEngine(nn.Module):
         if not load_module_strict:
             logger.warning("load_checkpoint(load_module_strict=False) is not supported; "
                            "loading strictly")
+        self.settle()
         result = checkpoint.load_checkpoint(
             self._training_state(), load_dir, tag=tag,
             load_optimizer_states=load_optimizer_states,

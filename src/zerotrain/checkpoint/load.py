@@ -110,7 +110,7 @@ def _load_record(state: TrainingState, index: SourceIndex, reader: Reader, recor
     rank = shard_rank(record.layout, state.comm)
     same = index.same_record(list(record.names), record.layout)
     keys, scalars, nones = _state_spec(index, record.names) if with_optimizer else ([], {}, [])
-    fresh = {key: torch.zeros_like(record.master) for key in keys}
+    fresh = {key: _target(record.optimizer_state.get(key), record.master) for key in keys}
     for key, out in [("master", record.master), *fresh.items()]:
         if same is not None:
             index.read_record_shard(reader, same, key, rank, out)
@@ -128,6 +128,15 @@ def _load_record(state: TrainingState, index: SourceIndex, reader: Reader, recor
     live.update({key: _scalar(spec, group, record.master) for key, spec in scalars.items()})
     live.update({key: None for key in nones})
     state.optimizer.state[record.master] = live
+
+
+def _target(live: Any, master: torch.Tensor) -> torch.Tensor:
+    """Where to read a state tensor: the live one when it fits (offloaded state stays in its
+    host or NVMe storage), else a new one like the master."""
+    if (isinstance(live, torch.Tensor) and live.shape == master.shape
+            and live.dtype == master.dtype and live.device == master.device):
+        return live.zero_()
+    return torch.zeros_like(master)
 
 
 def _state_spec(index: SourceIndex, names) -> tuple[list, dict, list]:

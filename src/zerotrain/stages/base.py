@@ -48,6 +48,7 @@ class Stage(Protocol):
     """A ZeRO stage owns the gradients, the optimizer's shard and the parameter update."""
 
     optimizer: torch.optim.Optimizer
+    delays_update: bool   # the update finishes at ``settle`` (offload_optimizer.dpu)
 
     def begin_backward(self, boundary: bool) -> None:
         """Called before each micro-step's backward; ``boundary`` if it ends accumulation."""
@@ -125,6 +126,10 @@ class BucketedStage:
                 self.finish_publish()
         self.zero_grad()
         return StepOutcome(True, grads.norm)
+
+    @property
+    def delays_update(self) -> bool:
+        return self.updater is not None and self.updater.delayed
 
     def settle(self) -> None:
         """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""

@@ -1,0 +1,97 @@
+"""Offload building blocks: the plan's checks, NVMe storage and swapping, the host updater."""
+import errno
+import os
+
+import pytest
+import torch
+
+from zerotrain.config import load_config
+from zerotrain.errors import ConfigError
+from zerotrain.offload import HostStorage, HostUpdater, NvmeStorage, OffloadPlan
+
+
+def _zero(**zero):
+    return load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero},
+                       world_size=1).zero_optimization
+
+
+@pytest.mark.parametrize("zero,key", [
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device"),
+    ({"stage": 2, "offload_param": {"device": "cpu"},
+      "offload_optimizer": {"device": "cpu"}}, "offload_param.device"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+      "offload_optimizer": {"device": "cpu"}}, "offload_param.device"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param.device"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+     "offload_optimizer.ratio"),
+    ({"stage": 2, "offload_optimizer": {"dpu": True}}, "offload_optimizer.dpu"),
+])
+def test_plan_rejects_what_cannot_run_naming_the_key(zero, key):
+    with pytest.raises(ConfigError) as err:
+        OffloadPlan.from_config(_zero(**zero))
+    assert err.value.path == f"zero_optimization.{key}"
+
+
+def test_plan_reads_devices_and_delay():
+    plan = OffloadPlan.from_config(_zero(stage=3, offload_param={"device": "cpu"},
+                                         offload_optimizer={"device": "cpu", "dpu": True}))
+    assert plan.optimizer_offloaded and plan.param_offloaded and plan.delayed_update
+    assert not OffloadPlan.from_config(_zero(stage=2)).optimizer_offloaded
+
+
+def test_nvme_path_must_exist(tmp_path):
+    with pytest.raises(ConfigError, match="not an existing directory") as err:
+        NvmeStorage(str(tmp_path / "missing"), rank=0)
+    assert err.value.path == "zero_optimization.offload_optimizer.nvme_path"
+
+
+def test_full_disk_is_a_config_error_when_space_is_reserved(tmp_path, monkeypatch):
+    storage = NvmeStorage(str(tmp_path), rank=0)
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(ConfigError, match="cannot reserve .* GiB free") as err:
+        storage.zeros(1000)
+    assert err.value.path == "zero_optimization.offload_optimizer.nvme_path"
+    storage.close()
+
+
+def test_nvme_swap_round_trip(tmp_path):
+    storage = NvmeStorage(str(tmp_path), rank=0, slots=2)
+    a, b = storage.zeros(10), storage.zeros(7)
+    assert os.listdir(storage.path) == []          # files unlinked once mapped
+    a.copy_(torch.arange(10.0))
+    storage.reserve_slots(17)
+    storage.prefetch(0, [a, b])
+    storage.swap_in(0)
+    assert a.untyped_storage().data_ptr() not in storage._fds   # now in a pinned slot
+    assert torch.equal(a, torch.arange(10.0))
+    a.mul_(2)
+    b.fill_(3)
+    storage.swap_out(0)
+    storage.drain()
+    assert torch.equal(a, torch.arange(10.0) * 2) and torch.equal(b, torch.full((7,), 3.0))
+    storage.close()
+    assert not os.path.exists(storage.path)
+
+
+def test_host_updater_steps_each_record_once_and_publishes_in_order():
+    masters = [torch.zeros(5), torch.zeros(3)]
+    opt = torch.optim.SGD(masters, lr=1.0)
+    seen = []
+    updater = HostUpdater(opt, HostStorage())
+    updater.step(masters, [torch.ones(5), torch.full((3,), 2.0)], publish=seen.append)
+    assert seen == [0, 1]
+    assert torch.equal(masters[0], -torch.ones(5)) and torch.equal(masters[1], torch.full((3,), -2.0))
+    assert all(m.grad is None for m in masters)
+
+
+def test_nvme_needs_adam_state(tmp_path):
+    masters = [torch.zeros(4)]
+    updater = HostUpdater(torch.optim.SGD(masters, lr=0.1, momentum=0.9),
+                          NvmeStorage(str(tmp_path), rank=0))
+    with pytest.raises(ConfigError, match="SGD is not supported"):
+        updater.attach(masters)
+    updater.close()

@@ -18,46 +18,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_model import GPT, VOCAB  # noqa: E402  (bench/ is not a package)
 
 SIZES = {"1.3b": dict(d_model=2048, n_layer=24, n_head=16),
          "tiny": dict(d_model=64, n_layer=2, n_head=2)}
-VOCAB = 50304
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, d_model: int, n_layer: int, n_head: int, seq: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, d_model), nn.Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
-        self.ln = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, VOCAB, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
 
 
 def run_case(case: str, args) -> dict:

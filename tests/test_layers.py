@@ -37,7 +37,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 3. building blocks of a stage
     (("buckets", "optim", "schedules", "dataloader", "offload"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("zero3", "activation"), ("zero", "factory")),
+    (("stages",), ("zero3", "checkpointing"), ("zero", "factory")),
     # 5. persistence
     (("checkpoint",), ("export",)),
     # 6. the engine, then the entry points

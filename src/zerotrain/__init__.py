@@ -5,7 +5,7 @@ zerotrain.initialize(model=..., model_parameters=..., config=...)``.
 """
 from __future__ import annotations
 
-from . import zero
+from . import checkpointing, zero
 from .comm import init_distributed
 from .dataloader import RepeatingLoader
 from .engine import ZeroEngine
@@ -24,5 +24,5 @@ setup_logger()
 __all__ = [
     "ConfigError", "DeepSpeedEngine", "NonFiniteGradientError", "RankMismatchError",
     "RepeatingLoader", "ZeroEngine", "ZeroTrainError", "__version__", "add_config_arguments",
-    "init_distributed", "initialize", "see_memory_usage", "zero",
+    "checkpointing", "init_distributed", "initialize", "see_memory_usage", "zero",
 ]

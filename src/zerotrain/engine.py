@@ -220,15 +220,20 @@ class ZeroEngine(nn.Module):
         return self.config.precision == "bf16"
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held on this rank: parameters, gradients, optimizer_state, buffers.
+        """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with
+        offload also host_optimizer_state or nvme_optimizer_state (file-backed), and
+        host_parameters (stage-3 shards kept on the host).
 
         Counts distinct storages, so views of one flat buffer count once.
         """
         ledger = StorageLedger()
-        held = self.stage.tensors_by_category()
-        ledger.add("parameters", list(self.module.parameters()) + held.get("parameters", []))
-        ledger.add("gradients", held.get("gradients", []))
-        ledger.add("optimizer_state", held.get("optimizer_state", []))
+        held = dict(self.stage.tensors_by_category())
+        ledger.add("parameters", list(self.module.parameters()) + held.pop("parameters", []))
+        ledger.add("gradients", held.pop("gradients", []))
+        ledger.add("optimizer_state", held.pop("optimizer_state", []))
+        for category, tensors in held.items():
+            if tensors:
+                ledger.add(category, tensors)
         ledger.add("buffers", list(self.module.buffers()))
         return dict(ledger.bytes)
 

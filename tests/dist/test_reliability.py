@@ -45,7 +45,7 @@ def test_a_rank_that_stops_communicating_gives_a_named_error_on_every_rank(tmp_p
     """Rank 1 skips a backward: rank 0 waits in a reduce-scatter that never completes."""
     script = tmp_path / "hang.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, torch
+        import sys, time, torch
         sys.path.insert(0, {HERE!r})
         import zerotrain, reference as R
         config = R.engine_config(stage=2, comms_timeout=4, debug=True)
@@ -59,6 +59,8 @@ def test_a_rank_that_stops_communicating_gives_a_named_error_on_every_rank(tmp_p
             print(f"rank {{rank}} finished", flush=True)
         except Exception as exc:
             print(f"rank {{rank}} error: {{type(exc).__name__}}: {{exc}}", flush=True)
+            if rank == 1:  # stay alive, so rank 0's wait ends by its timeout, not our exit
+                time.sleep(60)
             sys.exit(3)
     """))
     start = time.monotonic()

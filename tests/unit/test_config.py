@@ -345,7 +345,7 @@ def test_nvme_offload_needs_a_path() -> None:
 # --- DeepSpeed keys that are accepted but not implemented ----------------------------------
 
 def test_unimplemented_keys_warn_once_listing_all() -> None:
-    config = {**BASE, "activation_checkpointing": {"partition_activations": True},
+    config = {**BASE, "flops_profiler": {"enabled": True},
               "tensorboard": {"enabled": True},
               "zero_optimization": {"stage": 2, "round_robin_gradients": True},
               "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}
@@ -354,7 +354,7 @@ def test_unimplemented_keys_warn_once_listing_all() -> None:
         loaded = load_config(config, world_size=1)
     ours = [w for w in caught if issubclass(w.category, ZeroTrainConfigWarning)]
     assert len(ours) == 1
-    expected = ["activation_checkpointing", "tensorboard",
+    expected = ["flops_profiler", "tensorboard",
                 "zero_optimization.round_robin_gradients", "optimizer.params.max_grad_norm"]
     for path in expected:
         assert path in str(ours[0].message)
@@ -364,8 +364,8 @@ def test_unimplemented_keys_warn_once_listing_all() -> None:
 
 
 def test_unimplemented_keys_still_reject_auto() -> None:
-    error = config_error({**BASE, "activation_checkpointing": {"number_checkpoints": "auto"}})
-    assert error.path == "activation_checkpointing.number_checkpoints"
+    error = config_error({**BASE, "flops_profiler": {"profile_step": "auto"}})
+    assert error.path == "flops_profiler.profile_step"
 
 
 def test_implemented_keys_are_not_listed_as_unimplemented() -> None:

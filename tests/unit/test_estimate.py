@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from zerotrain.config import load_config
+from zerotrain.offload.plan import OffloadPlan
 from zerotrain.estimate import (
     Budget, EstimateRequest, ModelShape, Placement, activation_bytes, ds_config, estimate,
     estimate_zero2_model_states_mem_needs_all_cold, estimate_zero2_model_states_mem_needs_all_live,
@@ -54,23 +55,51 @@ def test_sgd_with_momentum_keeps_4_bytes_plus_master_in_mixed_precision(dtype, p
 
 
 def test_offload_rows_move_the_optimizer_and_params_to_each_node():
+    # zerotrain's layout (states.py, Note "offload"), 7B on 2 nodes x 8 GPUs (N = 16), bf16,
+    # Adam: the host holds the fp32 master + moments, 4 + 8 = 12 bytes per parameter of each
+    # shard, with no fp32 gradient copy; the gradient shard stays on the GPU in 16 bits.
+    # A node's 8 GPUs hold 8/16 of the states, so per node = bytes per parameter * Ψ / 2.
     rows = rows_by_label(model_states(SEVEN_B, gpus_per_node=8, nodes=2))
     z2_cpu = rows[Placement(2, "cpu")]
-    assert z2_cpu.gpu_total == 2 * SEVEN_B  # DeepSpeed's "2 * params"
-    assert z2_cpu.host_per_node == 16 * SEVEN_B / 2  # 16 bytes per parameter over 2 nodes
+    assert (z2_cpu.gpu_params, z2_cpu.gpu_grads, z2_cpu.gpu_optimizer) == (
+        2 * SEVEN_B, 2 * SEVEN_B / 16, 0)                     # 2Ψ + 2Ψ/N = 14 + 0.875 GB
+    assert z2_cpu.formula == "2Ψ + 2Ψ/N"
+    assert z2_cpu.host_per_node == 12 * SEVEN_B / 2           # 42 GB
     z3_cpu = rows[Placement(3, "cpu")]
-    assert z3_cpu.gpu_total == 2 * SEVEN_B / 16 and z3_cpu.host_per_node == 8 * SEVEN_B
-    z3_both = rows[Placement(3, "cpu", "cpu")]
-    assert z3_both.gpu_total == 0 and z3_both.host_per_node == 18 * SEVEN_B / 2
-    nvme = rows[Placement(3, "nvme", "nvme")]
-    assert nvme.host_per_node == 0 and nvme.nvme_per_node == 18 * SEVEN_B / 2
+    assert z3_cpu.gpu_total == 4 * SEVEN_B / 16 and z3_cpu.formula == "4Ψ/N"  # 1.75 GB
+    assert z3_cpu.host_per_node == 12 * SEVEN_B / 2 and z3_cpu.nvme_per_node == 0
+    z3_both = rows[Placement(3, "cpu", "cpu")]                # + the 2-byte parameter shard
+    assert z3_both.gpu_params == 0 and z3_both.gpu_total == 2 * SEVEN_B / 16  # 0.875 GB
+    assert z3_both.host_per_node == (12 + 2) * SEVEN_B / 2   # 49 GB
+    nvme = rows[Placement(3, "nvme", "cpu")]   # parameters never go to NVMe in zerotrain
+    assert nvme.gpu_total == 2 * SEVEN_B / 16
+    assert nvme.host_per_node == 2 * SEVEN_B / 2 and nvme.nvme_per_node == 12 * SEVEN_B / 2
+    assert Placement(3, "nvme", "nvme") not in rows
+    assert nvme.placement.label == "ZeRO-3, optimizer on NVMe, params on CPU"
+
+
+@pytest.mark.parametrize("dtype, optimizer, host, gpu_z3_cpu", [
+    ("bf16", "sgd", 4 + 4, 2 + 2),   # fp32 master + momentum; 16-bit params and grads
+    ("fp32", "adam", 4 + 8, 4 + 4),  # the host master copies the GPU's fp32 weights
+    ("fp32", "sgd", 4 + 4, 4 + 4)])
+def test_offload_host_bytes_are_master_plus_moments_in_every_dtype(dtype, optimizer, host,
+                                                                   gpu_z3_cpu):
+    rows = rows_by_label(model_states(1600, gpus_per_node=4, nodes=2, dtype=dtype,
+                                      optimizer=optimizer))
+    z3_cpu = rows[Placement(3, "cpu")]
+    assert z3_cpu.host_per_node == host * 1600 / 2 and z3_cpu.gpu_total == gpu_z3_cpu * 1600 / 8
+    param_bytes = 4 if dtype == "fp32" else 2
+    assert rows[Placement(3, "cpu", "cpu")].host_per_node == (host + param_bytes) * 1600 / 2
+    assert (Placement(3, "nvme", "cpu") in rows) == (optimizer == "adam")  # NVMe swaps Adam
 
 
 def test_fp32_gradient_accumulation_extra_is_2_psi_full_or_sharded():
     assert fp32_accumulation_extra(SEVEN_B, Placement(1), world=8, dtype="bf16") == 14 * GB
     assert fp32_accumulation_extra(SEVEN_B, Placement(2), world=8, dtype="bf16") == 1.75 * GB
     assert fp32_accumulation_extra(SEVEN_B, Placement(3), world=8, dtype="fp32") == 0
-    assert fp32_accumulation_extra(SEVEN_B, Placement(3, "cpu"), world=8, dtype="bf16") == 0
+    # offload keeps the gradients on the GPU, so the extra stays
+    assert fp32_accumulation_extra(SEVEN_B, Placement(3, "cpu"), world=8, dtype="bf16") == 1.75 * GB
+    assert fp32_accumulation_extra(SEVEN_B, Placement(1, "cpu"), world=8, dtype="bf16") == 14 * GB
 
 
 def test_rendered_table_shows_the_seed_numbers_and_says_activations_come_on_top():
@@ -223,14 +252,29 @@ def _recommend(params, gpus, gpu_memory, cpu_memory=None, nodes=1):
     ("125M", 8, "80GB", None, Placement(1)),          # ample room: ZeRO-1
     ("7B", 8, "80GB", None, Placement(2)),            # "start with ZeRO-2"
     ("13B", 8, "40GB", None, Placement(3)),           # ZeRO-2 needs 42.3 GB, ZeRO-3 29.25
-    ("7B", 1, "24GB", None, Placement(3, "cpu")),     # one GPU: only offload helps
-    ("70B", 8, "80GB", "2TB", Placement(3, "cpu")),
-    ("70B", 2, "80GB", "2TB", Placement(3, "cpu", "cpu")),  # 2Ψ/N = 70 GB > 80% of 80 GB
-    ("70B", 8, "80GB", "512GB", Placement(3, "nvme", "nvme")),
+    # need* at ZeRO-3 + optimizer on CPU = 2Ψ/N params + 4Ψ/N fp32-accumulated gradients
+    ("3B", 1, "24GB", None, Placement(3, "cpu")),     # one GPU: 6Ψ = 18 GB <= 19.2
+    ("7B", 1, "24GB", None, None),                    # 4Ψ = 28 GB even with params on CPU
+    ("70B", 8, "80GB", "2TB", Placement(3, "cpu")),   # 6Ψ/N = 52.5 GB; host 12Ψ = 840 GB
+    # 6Ψ/N = 90 GB > 64; params on CPU too: 4Ψ/N = 60 GB, host 14Ψ = 420 GB
+    ("30B", 2, "80GB", "2TB", Placement(3, "cpu", "cpu")),
+    # host 12Ψ = 840 GB and 14Ψ = 980 GB > 409.6; optimizer on NVMe: host 2Ψ = 140 GB
+    ("70B", 8, "80GB", "512GB", Placement(3, "nvme", "cpu")),
 ])
 def test_recommendation_picks_the_lowest_stage_that_fits(params, gpus, gpu_memory, cpu_memory,
                                                          expected):
     assert _recommend(parse_count(params), gpus, gpu_memory, cpu_memory) == expected
+
+
+def test_recommendation_skips_nvme_for_sgd_and_reports_both_off_gpu_shares():
+    def rec(optimizer):
+        return estimate(EstimateRequest(SEVEN_B * 10, gpus_per_node=8, optimizer=optimizer,
+                                        gpu_memory=80 * GB, cpu_memory=512 * GB))
+    adam = rec("adam")
+    assert adam.recommendation.placement == Placement(3, "nvme", "cpu")
+    assert "140 GB per node on CPU and 840 GB on NVMe" in adam.recommendation.reason
+    assert "nvme_path" in adam.render()
+    assert rec("sgd").recommendation.placement is None  # zerotrain swaps only Adam to NVMe
 
 
 def test_recommendation_tries_activation_checkpointing_before_a_higher_stage():
@@ -244,8 +288,8 @@ def test_recommendation_tries_activation_checkpointing_before_a_higher_stage():
 
 
 @pytest.mark.parametrize("placement", [Placement(1), Placement(2), Placement(3),
-                                       Placement(3, "cpu"), Placement(3, "cpu", "cpu"),
-                                       Placement(3, "nvme", "nvme")])
+                                       Placement(2, "cpu"), Placement(3, "cpu"),
+                                       Placement(3, "cpu", "cpu"), Placement(3, "nvme", "cpu")])
 @pytest.mark.parametrize("dtype, optimizer", [("bf16", "adam"), ("fp16", "sgd"),
                                               ("fp32", "adam")])
 def test_recommended_configs_load_without_warnings(placement, dtype, optimizer):
@@ -257,6 +301,10 @@ def test_recommended_configs_load_without_warnings(placement, dtype, optimizer):
     assert loaded.precision == dtype
     offload = loaded.zero_optimization.offload_optimizer
     assert (offload.device if offload else "none") == placement.offload_optimizer
+    params = loaded.zero_optimization.offload_param
+    assert (params.device if params else "none") == placement.offload_param
+    plan = OffloadPlan.from_config(loaded.zero_optimization)  # zerotrain's offload checks
+    assert (plan.optimizer, plan.param) == (placement.offload_optimizer, placement.offload_param)
 
 
 # ------------------------------------------------------------------ DeepSpeed's API

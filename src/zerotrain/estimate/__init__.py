@@ -25,7 +25,7 @@ from .plan import Budget, Recommendation, ds_config, recommend
 from .report import EstimateReport, EstimateRequest, estimate
 from .sizes import format_count, format_gb, parse_bytes, parse_count
 from .states import (DTYPES, OPTIMIZERS, PLACEMENTS, BytesPerParam, Placement, StateEstimate,
-                     fp32_accumulation_extra, gpu_shares, model_states)
+                     fp32_accumulation_extra, gpu_shares, model_states, off_gpu_shares)
 
 __all__ = [
     "BytesPerParam", "Budget", "DTYPES", "EstimateReport", "EstimateRequest", "MemoryNeed",
@@ -35,7 +35,8 @@ __all__ = [
     "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live", "format_count", "format_gb",
-    "fp32_accumulation_extra", "gpu_shares", "model_states", "model_to_params", "parse_bytes",
+    "fp32_accumulation_extra", "gpu_shares", "model_states", "model_to_params",
+    "off_gpu_shares", "parse_bytes",
     "parse_count", "recommend", "shape_from_hf_config", "shape_from_module",
     "shape_from_module_spec",
 ]

@@ -10,9 +10,13 @@ Note: the recommendation rule
     1. ZeRO-1 if that fits in half the GPU (ample room; with gradient accumulation it
        reduces once per step instead of every micro-step);
     2. else the first of ZeRO-2, ZeRO-3, ZeRO-3 + optimizer on CPU, ZeRO-3 + optimizer and
-       parameters on CPU, ZeRO-3 + both on NVMe that fits in 80% of the GPU (the other 20%
-       is for communication buckets, temporaries, fragmentation and the CUDA context) and,
-       with ``--cpu-memory``, whose host share fits in 80% of the node's memory;
+       parameters on CPU, ZeRO-3 + optimizer on NVMe and parameters on CPU (Adam only:
+       NVMe swaps Adam state) that fits in 80% of the GPU (the other 20% is for
+       communication buckets, temporaries, fragmentation and the CUDA context) and, with
+       ``--cpu-memory``, whose host share fits in 80% of the node's memory. Offload keeps
+       the gradient shard (and zerotrain's fp32 accumulation of it) on the GPU, so each
+       offload step saves less GPU memory than DeepSpeed's layout would (states.py, Note
+       "offload");
     3. for each of those, activation checkpointing is tried only after the plain run
        does not fit.
 """
@@ -31,7 +35,7 @@ AMPLE_FRACTION = 0.5  # ZeRO-1 only with this much of the GPU left over
 SAFE_FRACTION = 0.8   # everything else must fit in this fraction of GPU (and host) memory
 _ORDER: tuple[Placement, ...] = (
     Placement(2), Placement(3), Placement(3, "cpu"), Placement(3, "cpu", "cpu"),
-    Placement(3, "nvme", "nvme"))
+    Placement(3, "nvme", "cpu"))
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,17 @@ def _gpu_need(row: StateEstimate, *, total_params: int, world: int, dtype: str,
 
 def recommend(rows: list[StateEstimate], budget: Budget, *, total_params: int, world: int,
               dtype: str) -> Recommendation:
-    """Apply Note "the recommendation rule" to the rows of ``model_states``."""
+    """Apply Note "the recommendation rule" to the rows of ``model_states`` (a placement
+    without a row, such as NVMe for SGD, is skipped)."""
     by_placement = {row.placement: row for row in rows}
     gpu = budget.gpu_memory
     candidates: list[tuple[Placement, bool, float]] = [(Placement(1), False, AMPLE_FRACTION)]
     modes = (False, True) if budget.activations_checkpointed is not None else (False,)
     candidates += [(p, ckpt, SAFE_FRACTION) for p in _ORDER for ckpt in modes]
     for placement, ckpt, fraction in candidates:
-        row = by_placement[placement]
+        row = by_placement.get(placement)
+        if row is None:
+            continue
         parts = _gpu_need(row, total_params=total_params, world=world, dtype=dtype,
                           budget=budget, checkpointing=ckpt)
         need = sum(parts.values())
@@ -89,9 +96,9 @@ def recommend(rows: list[StateEstimate], budget: Budget, *, total_params: int, w
             reason = (f"{placement.label}: {format_gb(need)} GB of {format_gb(gpu)} GB per "
                       f"GPU fits within {room} of it")
             if placement.offloaded:
-                where = "NVMe" if row.nvme_per_node else "CPU"
-                reason += (f", with {format_gb(row.host_per_node + row.nvme_per_node)} GB per "
-                           f"node on {where}")
+                reason += f", with {format_gb(row.host_per_node)} GB per node on CPU"
+                if row.nvme_per_node:
+                    reason += f" and {format_gb(row.nvme_per_node)} GB on NVMe"
             return Recommendation(placement, need, ckpt, parts, reason)
     return Recommendation(None, reason=(
         f"nothing fits in {SAFE_FRACTION:.0%} of {format_gb(gpu)} GB per GPU"

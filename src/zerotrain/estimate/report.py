@@ -108,15 +108,16 @@ def _need(rep: EstimateReport, row: StateEstimate) -> float:
 def _table(rep: EstimateReport) -> list[str]:
     r = rep.request
     with_need = bool(r.gpu_memory or rep.activations)
-    head = ["configuration", "params", "grads", "optimizer", "per GPU", "formula", "host/node"]
+    with_nvme = any(row.nvme_per_node for row in rep.rows)
+    head = (["configuration", "params", "grads", "optimizer", "per GPU", "formula", "host/node"]
+            + (["NVMe/node"] if with_nvme else []))
     if with_need:
         head += ["need*"] + ([f"fits {format_gb(r.gpu_memory)}GB"] if r.gpu_memory else [])
     body = []
     for row in rep.rows:
-        host = (f"{format_gb(row.nvme_per_node)} NVMe" if row.nvme_per_node
-                else _cell(row.host_per_node))
         cells = [row.placement.label, _cell(row.gpu_params), _cell(row.gpu_grads),
-                 _cell(row.gpu_optimizer), format_gb(row.gpu_total), row.formula, host]
+                 _cell(row.gpu_optimizer), format_gb(row.gpu_total), row.formula,
+                 _cell(row.host_per_node)] + ([_cell(row.nvme_per_node)] if with_nvme else [])
         if with_need:
             need = _need(rep, row)
             cells.append(format_gb(need))
@@ -159,9 +160,20 @@ def _notes(rep: EstimateReport) -> list[str]:
     notes.append("ZeRO-3 also holds the layers in use, gathered whole: at least the largest "
                  f"layer's weights and gradients ({bpp.params + bpp.grads} bytes per parameter"
                  + (f", {format_gb(rep.live_layer)} GB here" if rep.live_layer else "") + ").")
-    notes.append("Offloaded rows keep fp32 master weights, fp32 gradients and optimizer "
-                 "moments per node off the GPU; DeepSpeed's estimator adds a 1.5x buffer "
-                 "(zerotrain.estimate.estimate_zero3_model_states_mem_needs_all_cold).")
+    dpu_per_node = 4 * r.total_params / r.world * r.gpus_per_node
+    notes.append(
+        f"Offloaded rows: the fp32 master and optimizer moments ({bpp.host_optimizer} bytes per "
+        "parameter) leave the GPU, for the host or, with NVMe, for files (the host then keeps "
+        'a few bounded swap slots); "params on CPU" moves the parameter shard '
+        f"({bpp.params} bytes per parameter) to the host too. Gradients stay on the GPU until "
+        "the step and go to the host a bucket at a time"
+        + (", so the fp32 accumulation above still applies" if r.dtype != "fp32" else "")
+        + ". Host and NVMe figures are per node. offload_optimizer.dpu (delayed update) "
+        f"adds an fp32 gradient shard on the host: +{format_gb(dpu_per_node)} GB per node. "
+        "DeepSpeed lays offload out differently; its own estimator is "
+        "zerotrain.estimate.estimate_zero3_model_states_mem_needs_all_cold.")
+    if r.optimizer != "adam":
+        notes.append("No NVMe row: zerotrain swaps only Adam/AdamW state to NVMe.")
     if r.gpu_memory or rep.activations:
         notes.append("need* = per GPU + fp32 gradient accumulation + activations + "
                      "ZeRO-3's gathered largest layer, where known.")
@@ -189,5 +201,9 @@ def _recommendation_lines(rep: EstimateReport) -> list[str]:
                            "ZeRO-2, ZeRO-3 and ZeRO-3 with offload whose need* fits in "
                            f"{SAFE_FRACTION:.0%} of it (activation checkpointing tried before "
                            "the next).", _WIDTH, initial_indent="  ", subsequent_indent="  ")
+    if rec.placement.offload_optimizer == "nvme":
+        lines += textwrap.wrap("Set zero_optimization.offload_optimizer.nvme_path to a "
+                               "directory on a fast local NVMe drive before training.", _WIDTH,
+                               initial_indent="  ", subsequent_indent="  ")
     lines += ["", "ds_config.json:", json.dumps(rep.config, indent=2)]
     return lines

@@ -17,14 +17,30 @@ Note: the ZeRO table
     8Ψ, plus the 4Ψ master copy in mixed precision.
 
 Note: offload
-    Offloading the optimizer (ZeRO-Offload) moves the optimizer step to the host: each rank's
-    shard of fp32 master weights, fp32 gradients and moments (4 + 4 + 8 = 16 bytes per
-    parameter with Adam, whatever the training dtype) lives in host memory, and gradients
-    leave the GPU bucket by bucket, so the GPU keeps only the 16-bit weights. Offloading the
-    parameters too (ZeRO-3 only, ZeRO-Infinity) moves the weight shard to the host as well
-    (18 bytes per parameter in mixed precision, DeepSpeed's "18" multiplier); with NVMe those
-    bytes go to the drive instead, and the host keeps only staging buffers. Host figures are
-    per node: the node's GPUs each hold 1/N of the states.
+    zerotrain's offload (``zerotrain.offload``), not DeepSpeed's layout. With
+    ``offload_optimizer`` (stages 1-3) each rank's fp32 master shard and optimizer moments
+    live off the GPU and the host steps them: 4 + 8 = 12 bytes per parameter of the shard
+    with Adam, 4 + 4 with SGD momentum, in every training dtype (in fp32 training the host
+    master is a copy of the 4-byte weights, since the GPU keeps its own). There is no host
+    fp32 gradient copy: the reduced gradient shard stays on the GPU until the step (so
+    zerotrain's fp32 accumulation still applies) and goes to the host one bucket at a time
+    through bounded staging buffers. On the GPU, in mixed precision:
+
+        ZeRO-1 + optimizer offload   2Ψ   + 2Ψ   = 4Ψ
+        ZeRO-2 + optimizer offload   2Ψ   + 2Ψ/N = 2Ψ + 2Ψ/N
+        ZeRO-3 + optimizer offload   2Ψ/N + 2Ψ/N = 4Ψ/N
+        ZeRO-3 + parameters too             2Ψ/N          (plus the gathered live layers)
+
+    ``offload_param`` (stage 3, "cpu" only: zerotrain refuses "nvme" for parameters) moves
+    the parameter shard to the host, 2 bytes per parameter / N more there (4 in fp32). With
+    ``offload_optimizer.device "nvme"`` the 12 bytes go to files and the host keeps only a
+    few swap slots of the largest bucket (not counted), so the NVMe row puts the optimizer
+    state on NVMe and the parameter shards on the host; NVMe swaps Adam/AdamW state only, so
+    there is no NVMe row for SGD. The delayed parameter update (``offload_optimizer.dpu``)
+    also keeps an fp32 gradient shard on the host: 4 bytes per parameter / N more. Off-GPU
+    figures are per node: the node's GPUs each hold 1/N of the states. DeepSpeed lays
+    offload out differently (16 or 18 bytes per parameter on the host, its estimator in
+    :mod:`~zerotrain.estimate.deepspeed_api`).
 
 Activations, communication buckets, ZeRO-3's gathered live layers and the allocator's
 fragmentation all come on top of these numbers.
@@ -35,7 +51,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["BytesPerParam", "DTYPES", "OPTIMIZERS", "PLACEMENTS", "Placement",
-           "StateEstimate", "fp32_accumulation_extra", "gpu_shares", "model_states"]
+           "StateEstimate", "fp32_accumulation_extra", "gpu_shares", "model_states",
+           "off_gpu_shares"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
 OptimizerName = Literal["adam", "sgd"]
@@ -53,7 +70,7 @@ class BytesPerParam:
     params: int
     grads: int
     optimizer: int       # on the GPU: moments, plus the fp32 master copy in mixed precision
-    host_optimizer: int  # offloaded: fp32 master + fp32 gradient + moments (Note "offload")
+    host_optimizer: int  # offloaded: fp32 master + moments, in any dtype (Note "offload")
 
     @classmethod
     def of(cls, dtype: str, optimizer: str) -> "BytesPerParam":
@@ -64,8 +81,8 @@ class BytesPerParam:
                              f"got {optimizer!r}")
         moments = _MOMENT_BYTES[optimizer]
         if dtype == "fp32":
-            return cls(params=4, grads=4, optimizer=moments, host_optimizer=8 + moments)
-        return cls(params=2, grads=2, optimizer=4 + moments, host_optimizer=8 + moments)
+            return cls(params=4, grads=4, optimizer=moments, host_optimizer=4 + moments)
+        return cls(params=2, grads=2, optimizer=4 + moments, host_optimizer=4 + moments)
 
 
 @dataclass(frozen=True)
@@ -79,10 +96,15 @@ class Placement:
     @property
     def label(self) -> str:
         name = "data parallel (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
-        if self.offload_param != "none":
-            return f"{name}, optimizer+params on {_DEVICE_NAMES[self.offload_param]}"
-        if self.offload_optimizer != "none":
-            return f"{name}, optimizer on {_DEVICE_NAMES[self.offload_optimizer]}"
+        opt, par = self.offload_optimizer, self.offload_param
+        if opt != "none" and opt == par:
+            return f"{name}, optimizer+params on {_DEVICE_NAMES[opt]}"
+        if opt != "none" and par != "none":
+            return f"{name}, optimizer on {_DEVICE_NAMES[opt]}, params on {_DEVICE_NAMES[par]}"
+        if par != "none":
+            return f"{name}, params on {_DEVICE_NAMES[par]}"
+        if opt != "none":
+            return f"{name}, optimizer on {_DEVICE_NAMES[opt]}"
         return name
 
     @property
@@ -90,11 +112,12 @@ class Placement:
         return self.offload_optimizer != "none"
 
 
-# The table's rows, in order of increasing savings (and cost).
+# The table's rows, in order of increasing savings (and cost). zerotrain puts parameters on
+# the host only, so the NVMe row keeps the optimizer state on NVMe and the params on the CPU.
 PLACEMENTS: tuple[Placement, ...] = (
     Placement(0), Placement(1), Placement(2), Placement(3),
     Placement(2, "cpu"), Placement(3, "cpu"), Placement(3, "cpu", "cpu"),
-    Placement(3, "nvme", "nvme"),
+    Placement(3, "nvme", "cpu"),
 )
 
 
@@ -116,13 +139,26 @@ class StateEstimate:
 
 
 def gpu_shares(placement: Placement, bpp: BytesPerParam) -> dict[str, tuple[int, bool]]:
-    """Per category: (bytes per parameter on the GPU, whether sharded over the N GPUs)."""
-    stage, offload = placement.stage, placement.offloaded
+    """Per category: (bytes per parameter on the GPU, whether sharded over the N GPUs).
+
+    Offloading keeps the gradients on the GPU (Note "offload"): only the optimizer state
+    and, with ``offload_param``, the parameter shard leave it."""
+    stage = placement.stage
     return {
         "params": (0 if placement.offload_param != "none" else bpp.params, stage >= 3),
-        "grads": (0 if offload else bpp.grads, stage >= 2),
-        "optimizer": (0 if offload else bpp.optimizer, stage >= 1),
+        "grads": (bpp.grads, stage >= 2),
+        "optimizer": (0 if placement.offloaded else bpp.optimizer, stage >= 1),
     }
+
+
+def off_gpu_shares(placement: Placement, bpp: BytesPerParam) -> dict[str, int]:
+    """Bytes per parameter of the rank's shard held on the host and on NVMe (Note
+    "offload"); swap slots and staging buffers are bounded and not counted."""
+    optimizer = bpp.host_optimizer if placement.offloaded else 0
+    params = bpp.params if placement.offload_param != "none" else 0
+    on_nvme = placement.offload_optimizer == "nvme"
+    return {"host": params + (0 if on_nvme else optimizer),
+            "nvme": optimizer if on_nvme else 0}
 
 
 def _formula(shares: dict[str, tuple[int, bool]]) -> str:
@@ -135,7 +171,7 @@ def _formula(shares: dict[str, tuple[int, bool]]) -> str:
 def model_states(total_params: int, *, gpus_per_node: int, nodes: int = 1,
                  dtype: str = "bf16", optimizer: str = "adam") -> list[StateEstimate]:
     """Model-state bytes for every row of :data:`PLACEMENTS` (Notes "the ZeRO table",
-    "offload"). Gradients are counted in the training dtype, as in the ZeRO paper; see
+    "offload"; the NVMe row only with Adam). Gradients are counted in the training dtype, as in the ZeRO paper; see
     :func:`fp32_accumulation_extra` for zerotrain's fp32 accumulation default."""
     if total_params < 1 or gpus_per_node < 1 or nodes < 1:
         raise ValueError("total_params, gpus_per_node and nodes must all be >= 1")
@@ -143,19 +179,17 @@ def model_states(total_params: int, *, gpus_per_node: int, nodes: int = 1,
     world = gpus_per_node * nodes
     rows = []
     for placement in PLACEMENTS:
+        if placement.offload_optimizer == "nvme" and optimizer != "adam":
+            continue  # NVMe swaps Adam/AdamW state only (Note "offload")
         shares = gpu_shares(placement, bpp)
         gpu = {name: total_params * b / (world if sharded else 1)
                for name, (b, sharded) in shares.items()}
-        off_gpu = 0.0
-        if placement.offloaded:
-            per_param = bpp.host_optimizer + (bpp.params if placement.offload_param != "none"
-                                              else 0)
-            off_gpu = total_params * per_param / world * gpus_per_node
-        on_nvme = placement.offload_optimizer == "nvme"
+        per_node = {name: total_params * b / world * gpus_per_node
+                    for name, b in off_gpu_shares(placement, bpp).items()}
         rows.append(StateEstimate(
             placement=placement, gpu_params=gpu["params"], gpu_grads=gpu["grads"],
-            gpu_optimizer=gpu["optimizer"], host_per_node=0.0 if on_nvme else off_gpu,
-            nvme_per_node=off_gpu if on_nvme else 0.0, formula=_formula(shares)))
+            gpu_optimizer=gpu["optimizer"], host_per_node=per_node["host"],
+            nvme_per_node=per_node["nvme"], formula=_formula(shares)))
     return rows
 
 
@@ -165,8 +199,9 @@ def fp32_accumulation_extra(total_params: int, placement: Placement, *, world: i
 
     ``data_types.grad_accum_dtype`` defaults to fp32, so a 16-bit run keeps 4-byte instead
     of 2-byte gradients: +2Ψ at stages 0-1 (full gradients), +2Ψ/N at stages 2-3 (a shard).
-    Nothing changes for fp32 training or with the optimizer offloaded (gradients leave).
+    Offload changes nothing here: the gradients stay on the GPU until the step (Note
+    "offload"). Nothing is added for fp32 training.
     """
-    if dtype == "fp32" or placement.offloaded:
+    if dtype == "fp32":
         return 0.0
     return 2.0 * total_params / (world if placement.stage >= 2 else 1)

@@ -20,6 +20,7 @@ import os
 import queue
 import shutil
 import tempfile
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -91,6 +92,9 @@ class NvmeStorage(HostStorage):
         super().__init__(pin_memory)
         self.directory = _check_directory(directory)
         self.path = tempfile.mkdtemp(prefix=f"zerotrain-swap-rank{rank}-", dir=self.directory)
+        # the files are unlinked as soon as they are mapped; the directory goes at close(),
+        # or when this object is collected, or at interpreter exit, whichever comes first
+        self._remove_directory = weakref.finalize(self, shutil.rmtree, self.path, True)
         self._fds: dict[int, int] = {}            # storage address -> file descriptor
         self._count = 0
         self._slots_wanted = max(2, slots)
@@ -176,7 +180,7 @@ class NvmeStorage(HostStorage):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        shutil.rmtree(self.path, ignore_errors=True)
+        self._remove_directory()
 
     # ------------------------------------------------------------------ helpers
     def _take_slot(self, numel: int) -> torch.Tensor:

@@ -128,6 +128,14 @@ class BucketedStage:
         return StepOutcome(True, grads.norm)
 
     @property
+    def state_category(self) -> str:
+        """Where the optimizer state is counted: on the device, in host memory, on NVMe."""
+        storage = getattr(self, "storage", None)
+        if self.updater is None or storage is None:
+            return "optimizer_state"
+        return "nvme_optimizer_state" if storage.swaps else "host_optimizer_state"
+
+    @property
     def delays_update(self) -> bool:
         return self.updater is not None and self.updater.delayed
 

@@ -131,7 +131,12 @@ class ShardedDataParallel(BucketedStage):
         group = self.groups[k]
         if group.aliased:
             return
-        shard = group.master.to(device=self.device, dtype=self.policy.param_dtype)
+        # a pinned host master that stays put can be sent without waiting (the cast then
+        # runs on the device); an NVMe slot is reused right after, so that copy waits
+        asynchronous = (self.storage is not None and not self.storage.swaps
+                        and group.master.is_pinned())
+        shard = group.master.to(device=self.device, non_blocking=asynchronous).to(
+            self.policy.param_dtype)
         if group.layout.world > 1:
             self._gather_into_params(group, shard)
             return
@@ -181,7 +186,7 @@ class ShardedDataParallel(BucketedStage):
         return {
             "parameters": params,
             "gradients": self.buckets.tensors() + [p.grad for p in params],
-            "optimizer_state": [g.master for g in self.groups] + state,
+            self.state_category: [g.master for g in self.groups] + state,
         }
 
 

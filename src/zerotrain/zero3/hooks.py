@@ -18,7 +18,9 @@ Note: trace and prefetch
 
     After its forward, a unit that the trace says is used again within
     ``max_reuse_distance`` elements of other gathers (typically the last blocks, whose
-    backward comes right away) is kept instead of released and re-gathered.
+    backward comes right away) is kept instead of released and re-gathered. The kept hold
+    passes to that next use, a backward or another forward (a module called twice, or
+    recomputed by activation checkpointing inside backward).
 """
 from __future__ import annotations
 
@@ -83,7 +85,11 @@ class UnitScheduler:
     # ------------------------------------------------------------------ forward
     def before_forward(self, index: int) -> None:
         self._record(index)
-        self._acquire(index)
+        if index in self._kept:
+            self._kept.discard(index)  # the last forward's hold becomes this forward's
+            self._prefetch()
+        else:
+            self._acquire(index)
 
     def after_forward(self, index: int) -> None:
         if torch.is_grad_enabled() and self._reused_soon(index):
@@ -200,8 +206,10 @@ def install_module_hooks(root: nn.Module, units: list[Unit],
         index = unit.spec.index
         handles.append(unit.spec.module.register_forward_pre_hook(
             lambda m, a, i=index: scheduler.before_forward(i)))
+        # always_call: a forward that raises still lets go of its unit (torch's checkpoint
+        # ends a recomputation by raising inside the last operation that saves a tensor)
         handles.append(unit.spec.module.register_forward_hook(
-            lambda m, a, out, i=index: _after_forward(scheduler, i, out)))
+            lambda m, a, out, i=index: _after_forward(scheduler, i, out), always_call=True))
     return handles
 
 

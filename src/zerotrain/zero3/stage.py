@@ -117,10 +117,13 @@ class PartitionedDataParallel(BucketedStage):
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         state = [t for st in self.optimizer.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor)]
-        params = [u.shard for u in self.units] + [u.full for u in self.units
-                                                  if u.full is not None]
-        return {"parameters": params, "gradients": self.buckets.tensors(),
-                "optimizer_state": [u.master for u in self.units] + state}
+        shards = [u.shard for u in self.units]
+        full = [u.full for u in self.units if u.full is not None]
+        on_host = bool(shards) and shards[0].device != self.units[0].device
+        return {"parameters": full + ([] if on_host else shards),
+                "host_parameters": shards if on_host else [],
+                "gradients": self.buckets.tensors(),
+                self.state_category: [u.master for u in self.units] + state}
 
 
 def _unpartition_frozen(module: nn.Module, comm: Communicator) -> None:

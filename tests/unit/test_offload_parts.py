@@ -95,3 +95,25 @@ def test_nvme_needs_adam_state(tmp_path):
     with pytest.raises(ConfigError, match="SGD is not supported"):
         updater.attach(masters)
     updater.close()
+
+
+def test_host_gradient_staging_is_two_buffers_of_the_largest_record():
+    """Gradients that are not fp32 host tensors (a GPU's, or 16-bit ones) pass through two
+    reused staging buffers: no full-size fp32 gradient copy on the host."""
+    sizes = [300, 1000, 200, 700]
+    masters = [torch.zeros(n) for n in sizes]
+    opt = torch.optim.AdamW(masters, lr=0.1, fused=True)
+    reference = [m.clone() for m in masters]
+    ref_opt = torch.optim.AdamW(reference, lr=0.1)
+    updater = HostUpdater(opt, HostStorage())
+    for step in range(3):
+        grads = [torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + i))
+                 .to(torch.bfloat16) for i, n in enumerate(sizes)]
+        updater.step(masters, grads, publish=lambda k: None)
+        for r, g in zip(reference, grads):
+            r.grad = g.float()
+        ref_opt.step()
+    assert len(updater._staging) == 2
+    assert sum(b.numel() for b in updater._staging) <= 2 * max(sizes)
+    for m, r in zip(masters, reference):
+        torch.testing.assert_close(m, r, atol=1e-6, rtol=0)

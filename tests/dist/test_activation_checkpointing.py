@@ -1,0 +1,204 @@
+"""Activation checkpointing trains exactly like the same model without it, at every stage.
+
+The model's blocks call ``zerotrain.checkpointing.checkpoint(block, x)`` (or torch's own
+checkpoint, whose recomputation stops early), with dropout in every block. The
+recomputation replays the forward's RNG state and the same operations on the same values,
+so the parameters after several steps are bitwise those of the run without checkpointing.
+At stage 3 the recomputation gathers parameters again through the module hooks; the cases
+cover prefetching (``overlap_comm``), everything partitioned (persistence threshold 0),
+units kept for reuse, and check that each unit is released once its gradients are in.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import reference as R
+
+STEPS = 4
+WIDTH = 12
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x, scale=1.0):
+        # b is the last operation that saves tensors: torch's early stop raises inside it
+        return x + self.b(self.drop(F.gelu(self.a(x)))) * scale
+
+
+class Net(nn.Module):
+    """``mode``: "off", "zerotrain" (DeepSpeed's API) or "torch" (torch's checkpoint)."""
+
+    def __init__(self, mode: str, depth: int = 3) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(R.IN, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.out = nn.Linear(WIDTH, R.OUT)
+
+    def forward(self, x, y):
+        import zerotrain
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if self.mode == "zerotrain":  # a non-tensor argument on odd blocks
+                h = (zerotrain.checkpointing.checkpoint(block, h, 0.5) if i % 2
+                     else zerotrain.checkpointing.checkpoint(block, h))
+            elif self.mode == "torch":
+                h = torch.utils.checkpoint.checkpoint(block, h, 0.5 if i % 2 else 1.0,
+                                                      use_reentrant=False)
+            else:
+                h = block(h, 0.5) if i % 2 else block(h)
+        return F.mse_loss(self.out(h), y)
+
+
+@contextlib.contextmanager
+def _restored_checkpointing():
+    """The pool's ranks live on between tests: leave checkpointing as it was found."""
+    from zerotrain import checkpointing
+    saved = checkpointing._settings, checkpointing._configured
+    try:
+        yield
+    finally:
+        checkpointing._settings, checkpointing._configured = saved
+
+
+def _watch_releases(engine) -> list:
+    """Names of units still gathered right after their last gradient arrived (stage 3)."""
+    scheduler = engine.stage.scheduler
+    needed = {u.spec.index: sum(p.requires_grad for p in u.spec.params)
+              for u in scheduler.units}
+    arrived: dict = {}
+    late: list = []
+    original = scheduler.gradient_arrived
+
+    def gradient_arrived(index):
+        original(index)
+        arrived[index] = arrived.get(index, 0) + 1
+        unit = scheduler.units[index]
+        if arrived[index] == needed[index]:
+            arrived[index] = 0
+            if unit.full is not None and not unit.spec.deps:
+                late.append(unit.spec.name or "<root>")
+
+    scheduler.gradient_arrived = gradient_arrived
+    return late
+
+
+def _train(rank, mode, config):
+    import zerotrain
+    torch.manual_seed(0)
+    model = Net(mode)
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    late = _watch_releases(engine) if config["zero_optimization"]["stage"] == 3 else []
+    losses = []
+    for step in range(STEPS):
+        for micro in range(config.get("gradient_accumulation_steps", 1)):
+            torch.manual_seed(1000 * step + 10 * rank + micro)  # dropout masks per rank/step
+            loss = engine(*R.micro_batch(step, rank, micro))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "late": late}
+
+
+def _grid(rank, world, cases):
+    from zerotrain import checkpointing
+    out = []
+    for name, mode, config in cases:
+        with _restored_checkpointing():
+            plain = _train(rank, "off", config)
+            checkpointed = _train(rank, mode, config)
+            settings = checkpointing.current_settings().model_dump()
+        out.append({"case": name, "diff": R.max_diff(plain["params"], checkpointed["params"]),
+                    "same_losses": plain["losses"] == checkpointed["losses"],
+                    "late": checkpointed["late"], "plain_late": plain["late"],
+                    "settings": settings})
+    return out
+
+
+def _config(stage, *, overlap=False, ga=1, **zero):
+    config = R.engine_config(stage=stage, ga=ga, overlap=overlap)
+    config["zero_optimization"].update(zero)
+    return config
+
+
+def _cases(world):
+    cases = [
+        ("stage 3, overlap (prefetch), persistence 0", "zerotrain",
+         _config(3, overlap=True, stage3_param_persistence_threshold=0,
+                 stage3_max_reuse_distance=0)),
+        ("stage 3, overlap, units kept for reuse", "zerotrain",
+         _config(3, overlap=True, stage3_param_persistence_threshold=0,
+                 stage3_max_reuse_distance=400)),
+    ]
+    if world == 2:
+        cases += [
+            ("stage 0", "zerotrain", _config(0)),
+            ("stage 2, accumulation 2", "zerotrain", _config(2, ga=2, overlap=True)),
+            ("stage 3, no prefetch, persistence 0", "zerotrain",
+             _config(3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)),
+            ("stage 3, small parameters persistent", "zerotrain",
+             _config(3, overlap=True, stage3_param_persistence_threshold=20)),
+            ("stage 3, cpu_checkpointing from the config", "zerotrain",
+             {**_config(3, overlap=True, stage3_param_persistence_threshold=0,
+                        stage3_max_reuse_distance=10 ** 9),
+              "activation_checkpointing": {"cpu_checkpointing": True, "profile": True,
+                                           "synchronize_checkpoint_boundary": True}}),
+            ("stage 3, torch's checkpoint (early stop)", "torch",
+             _config(3, overlap=True, stage3_param_persistence_threshold=0,
+                     stage3_max_reuse_distance=0)),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpointed_blocks_train_like_plain_blocks(worlds, world):
+    per_rank = worlds.run(world, _grid, _cases(world))
+    for rank, results in enumerate(per_rank):
+        for res in results:
+            where = f"rank {rank}, {res['case']}"
+            # same operations on the same values, dropout replayed: bitwise equal
+            assert res["diff"] == 0.0 and res["same_losses"], (where, res["diff"])
+            assert res["late"] == [] and res["plain_late"] == [], (where, res)
+            if "cpu_checkpointing" in res["case"]:
+                assert res["settings"]["cpu_checkpointing"], (where, res["settings"])
+            else:
+                assert not res["settings"]["cpu_checkpointing"], (where, res["settings"])
+
+
+class CalledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(R.IN, WIDTH)
+        self.shared = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, R.OUT)
+
+    def forward(self, x, y):
+        h = self.shared(torch.tanh(self.shared(self.inp(x))))
+        return F.mse_loss(self.out(h), y)
+
+
+def _called_twice(rank, world):
+    import zerotrain
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=CalledTwice(), config=_config(
+        3, overlap=True, stage3_param_persistence_threshold=0))  # reuse distance: default
+    late = _watch_releases(engine)
+    for step in range(STEPS):
+        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        engine.step()
+    return late
+
+
+def test_a_unit_kept_after_forward_and_used_again_is_released_after_its_gradients(worlds):
+    # the same hand-over of a kept unit that a checkpointed block's recomputation needs
+    assert worlds.run(2, _called_twice) == [[], []]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 VOCAB = 50304
 
@@ -40,9 +41,10 @@ class GPT(nn.Module):
     """
 
     def __init__(self, d_model: int, n_layer: int, n_head: int, seq: int, *,
-                 vocab: int = VOCAB, tie_head: bool = True) -> None:
+                 vocab: int = VOCAB, tie_head: bool = True, recompute: bool = False) -> None:
         super().__init__()
         self.vocab = vocab
+        self.recompute = recompute  # activation checkpointing: blocks recomputed in backward
         self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
         self.ln = nn.LayerNorm(d_model)
@@ -53,6 +55,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.float().view(-1, self.vocab), targets.view(-1))

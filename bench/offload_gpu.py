@@ -65,9 +65,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_model import GPT  # noqa: E402  (bench/ is not a package)
 
 SIZES = {  # model shape, then the defaults of --vocab/--seq/--batch for that size
-    "1.4b": dict(model=dict(d_model=2048, n_layer=24, n_head=16), vocab=50304, seq=1024, batch=8),
-    "6.9b": dict(model=dict(d_model=4096, n_layer=32, n_head=32), vocab=50304, seq=1024, batch=8),
-    "tiny": dict(model=dict(d_model=64, n_layer=2, n_head=2), vocab=512, seq=64, batch=2),
+    "1.4b": dict(model=dict(d_model=2048, n_layer=24, n_head=16), vocab=50304, seq=1024, batch=8,
+                 grad_accum="fp32", recompute=False),
+    # 6.9B: 16-bit gradient accumulation (13.7 GB instead of 27.4 GB of fp32 gradient on the
+    # GPU) and recomputed blocks (36 GB of activations otherwise) so it fits 80 GB
+    "6.9b": dict(model=dict(d_model=4096, n_layer=32, n_head=32), vocab=50304, seq=1024, batch=8,
+                 grad_accum="bf16", recompute=True),
+    "tiny": dict(model=dict(d_model=64, n_layer=2, n_head=2), vocab=512, seq=64, batch=2,
+                 grad_accum="fp32", recompute=False),
 }
 CASES = {
     "plain": "plain PyTorch, autocast bf16, fused AdamW on the GPU, no offload",
@@ -93,7 +98,8 @@ def default_dtype(dtype: torch.dtype):
 
 
 def new_gpt(args) -> GPT:
-    return GPT(**SIZES[args.size]["model"], seq=args.seq, vocab=args.vocab, tie_head=False)
+    return GPT(**SIZES[args.size]["model"], seq=args.seq, vocab=args.vocab, tie_head=False,
+               recompute=args.recompute)
 
 
 def zerotrain_config(case: str, args) -> dict:
@@ -108,6 +114,7 @@ def zerotrain_config(case: str, args) -> dict:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True}, "steps_per_print": 10**9, "zero_optimization": zero,
+            "data_types": {"grad_accum_dtype": args.grad_accum},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}}}
 
 
@@ -312,7 +319,9 @@ def model_line(args) -> str:
     return (f"GPT {args.size}: {count} parameters ({shape['n_layer']} layers, "
             f"d_model {shape['d_model']}, {shape['n_head']} heads, vocab {args.vocab}, untied "
             f"head), bf16, micro-batch {args.batch} x {args.seq}; {args.warmup} warm-up + "
-            f"{args.steps} timed steps (median){'; --dpu' if args.dpu else ''}")
+            f"{args.steps} timed steps (median); zerotrain gradients accumulate in "
+            f"{args.grad_accum}{'; blocks recomputed in backward' if args.recompute else ''}"
+            f"{'; --dpu' if args.dpu else ''}")
 
 
 def fmt(value, spec: str) -> str:
@@ -357,10 +366,15 @@ def parse_args(argv=None):
     parser.add_argument("--nvme-path", help="directory on an NVMe drive; adds zt_z2_nvme")
     parser.add_argument("--dpu", action="store_true",
                         help='add "dpu": true to offload_optimizer in zerotrain cases')
+    parser.add_argument("--grad-accum", choices=("fp32", "bf16"),
+                        help="zerotrain's data_types.grad_accum_dtype (default: the size's)")
+    parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                        help="activation checkpointing of every block, in every case "
+                        "(default: the size's)")
     parser.add_argument("--json-out", help="also write the rows to this JSON file")
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for key in ("batch", "seq", "vocab"):
+    for key in ("batch", "seq", "vocab", "grad_accum", "recompute"):
         if getattr(args, key) is None:
             setattr(args, key, SIZES[args.size][key])
     default = [c for c in CASES if c != "zt_z2_nvme" or args.nvme_path]

@@ -9,7 +9,7 @@ from torch import nn
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
 from .comm import Communicator
 from .errors import ConfigError
-from .offload import OffloadPlan, build_storage
+from .offload import OffloadPlan, build_param_storage, build_storage
 from .precision import PrecisionPolicy
 from .zero3.stage import PartitionedDataParallel
 from .stages.base import Stage, StepOutcome
@@ -44,7 +44,7 @@ def build_stage(stage: int, *, module: nn.Module,
         return PartitionedDataParallel(module, [params for _, params in groups], comm=comm,
                                        policy=policy, zero_config=zero_config,
                                        make_optimizer=make_optimizer, storage=storage,
-                                       params_on_host=offload.param_offloaded,
+                                       param_storage=build_param_storage(offload, comm.rank),
                                        delayed_update=offload.delayed_update)
     plan = ShardPlan(
         shard_world=1 if stage == 0 else comm.world_size,

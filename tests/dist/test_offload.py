@@ -27,6 +27,9 @@ def _offload(kind: str, nvme_dir: str) -> dict:
     if kind == "nvme+param":
         return {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir},
                 "offload_param": {"device": "cpu"}}
+    if kind == "nvme+nvme":
+        return {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir},
+                "offload_param": {"device": "nvme", "nvme_path": nvme_dir}}
     raise ValueError(kind)
 
 
@@ -52,7 +55,8 @@ def _train(rank, stage, kind, ga, clip, nvme_dir, precision="fp32", zero_init=Fa
 
 CASES = [(stage, kind, ga, clip)
          for stage in (1, 2, 3)
-         for kind in (("cpu", "nvme") + (("cpu+param", "nvme+param") if stage == 3 else ()))
+         for kind in (("cpu", "nvme") + (("cpu+param", "nvme+param", "nvme+nvme")
+                                          if stage == 3 else ()))
          for ga, clip in ((1, 0.0), (2, 0.5))]
 
 

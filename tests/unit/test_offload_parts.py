@@ -7,7 +7,8 @@ import torch
 
 from zerotrain.config import load_config
 from zerotrain.errors import ConfigError
-from zerotrain.offload import HostStorage, HostUpdater, NvmeStorage, OffloadPlan
+from zerotrain.offload import (HostStorage, HostUpdater, NvmeStorage, OffloadPlan,
+                               build_param_storage)
 
 
 def _zero(**zero):
@@ -18,8 +19,6 @@ def _zero(**zero):
 @pytest.mark.parametrize("zero,key", [
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device"),
     ({"stage": 2, "offload_param": {"device": "cpu"},
-      "offload_optimizer": {"device": "cpu"}}, "offload_param.device"),
-    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
       "offload_optimizer": {"device": "cpu"}}, "offload_param.device"),
     ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param.device"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
@@ -43,6 +42,12 @@ def test_nvme_path_must_exist(tmp_path):
     with pytest.raises(ConfigError, match="not an existing directory") as err:
         NvmeStorage(str(tmp_path / "missing"), rank=0)
     assert err.value.path == "zero_optimization.offload_optimizer.nvme_path"
+    plan = OffloadPlan.from_config(_zero(
+        stage=3, offload_optimizer={"device": "cpu"},
+        offload_param={"device": "nvme", "nvme_path": str(tmp_path / "missing")}))
+    with pytest.raises(ConfigError) as err:
+        build_param_storage(plan, rank=0)
+    assert err.value.path == "zero_optimization.offload_param.nvme_path"
 
 
 def test_full_disk_is_a_config_error_when_space_is_reserved(tmp_path, monkeypatch):

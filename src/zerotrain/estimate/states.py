@@ -31,8 +31,9 @@ Note: offload
         ZeRO-3 + optimizer offload   2Ψ/N + 2Ψ/N = 4Ψ/N
         ZeRO-3 + parameters too             2Ψ/N          (plus the gathered live layers)
 
-    ``offload_param`` (stage 3, "cpu" only: zerotrain refuses "nvme" for parameters) moves
-    the parameter shard to the host, 2 bytes per parameter / N more there (4 in fp32). With
+    ``offload_param`` (stage 3) moves the parameter shard to the host, 2 bytes per parameter
+    / N more there (4 in fp32); with its device "nvme" those bytes are files read through the
+    page cache at each gather instead (no row: the table keeps the faster host placement). With
     ``offload_optimizer.device "nvme"`` the 12 bytes go to files and the host keeps only a
     few swap slots of the largest bucket (not counted), so the NVMe row puts the optimizer
     state on NVMe and the parameter shards on the host; NVMe swaps Adam/AdamW state only, so

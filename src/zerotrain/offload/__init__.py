@@ -6,7 +6,8 @@ under ``nvme_path``) and swaps NVMe-backed ones through pinned buffers; ``update
 the optimizer step on the host, one record at a time, overlapping the copies.
 """
 from .plan import OffloadPlan
-from .storage import HostStorage, NvmeStorage, build_storage
+from .storage import HostStorage, NvmeStorage, build_param_storage, build_storage
 from .updater import HostUpdater
 
-__all__ = ["OffloadPlan", "HostStorage", "NvmeStorage", "HostUpdater", "build_storage"]
+__all__ = ["OffloadPlan", "HostStorage", "NvmeStorage", "HostUpdater", "build_param_storage",
+           "build_storage"]

@@ -12,7 +12,7 @@ SWAP_SLOTS = 3   # NVMe: one record being read, one stepped, one written back
 @dataclass(frozen=True)
 class OffloadPlan:
     """optimizer: where fp32 masters and optimizer state live ("none", "cpu", "nvme").
-    param: where stage-3 parameter shards live between uses ("none", "cpu").
+    param: where stage-3 parameter shards live between uses ("none", "cpu", "nvme").
     delayed_update: step on the host while the next micro-batches run (``dpu``).
     """
 
@@ -20,6 +20,8 @@ class OffloadPlan:
     param: str = "none"
     nvme_path: Optional[str] = None
     pin_memory: bool = False
+    param_nvme_path: Optional[str] = None
+    param_pin_memory: bool = False
     buffer_count: int = SWAP_SLOTS
     delayed_update: bool = False
 
@@ -47,10 +49,6 @@ class OffloadPlan:
                 raise ConfigError(f"{pkey}.device", "parameter offload needs ZeRO stage 3: "
                                   "stages 0-2 keep whole parameters on the device",
                                   value=par_device)
-            if par_device == "nvme":
-                raise ConfigError(f"{pkey}.device", 'parameters offload to "cpu" only; '
-                                  'put the optimizer state on NVMe with '
-                                  'offload_optimizer.device "nvme"', value=par_device)
             if opt_device == "none":
                 raise ConfigError(f"{pkey}.device", "parameter offload also needs "
                                   "offload_optimizer (the fp32 state would otherwise stay on "
@@ -68,7 +66,8 @@ class OffloadPlan:
                               '"nvme"', value=True)
         return cls(optimizer=opt_device, param=par_device,
                    nvme_path=opt.nvme_path if opt is not None else None,
-                   pin_memory=bool((opt is not None and opt.pin_memory)
-                                   or (par is not None and par.pin_memory)),
+                   pin_memory=bool(opt is not None and opt.pin_memory),
+                   param_nvme_path=par.nvme_path if par is not None else None,
+                   param_pin_memory=bool(par is not None and par.pin_memory),
                    buffer_count=max(2, min(SWAP_SLOTS, opt.buffer_count)) if opt else SWAP_SLOTS,
                    delayed_update=dpu)

@@ -30,7 +30,7 @@ import torch
 from ..errors import ConfigError
 from .plan import OffloadPlan
 
-NVME_KEY = "zero_optimization.offload_optimizer.nvme_path"
+OPTIMIZER_SECTION = "zero_optimization.offload_optimizer"
 _IO_CHUNK = 1 << 30  # bytes per preadv/pwrite call (Linux caps one call near 2 GiB)
 
 
@@ -88,10 +88,13 @@ class NvmeStorage(HostStorage):
     swaps = True
 
     def __init__(self, directory: Optional[str], rank: int, *, slots: int = 3,
-                 pin_memory: bool = True) -> None:
+                 pin_memory: bool = True, section: str = OPTIMIZER_SECTION,
+                 label: str = "swap") -> None:
         super().__init__(pin_memory)
-        self.directory = _check_directory(directory)
-        self.path = tempfile.mkdtemp(prefix=f"zerotrain-swap-rank{rank}-", dir=self.directory)
+        self.key = f"{section}.nvme_path"
+        self.directory = _check_directory(directory, section)
+        self.path = tempfile.mkdtemp(prefix=f"zerotrain-{label}-rank{rank}-",
+                                     dir=self.directory)
         # the files are unlinked as soon as they are mapped; the directory goes at close(),
         # or when this object is collected, or at interpreter exit, whichever comes first
         self._remove_directory = weakref.finalize(self, shutil.rmtree, self.path, True)
@@ -120,7 +123,7 @@ class NvmeStorage(HostStorage):
             os.close(fd)
             os.unlink(name)
             free = shutil.disk_usage(self.directory).free
-            raise ConfigError(NVME_KEY, f"cannot reserve {nbytes / 2**30:.2f} GiB more in "
+            raise ConfigError(self.key, f"cannot reserve {nbytes / 2**30:.2f} GiB more in "
                               f"{self.directory!r} ({exc.strerror}; {free / 2**30:.2f} GiB "
                               f"free, {self.reserved_bytes / 2**30:.2f} GiB reserved so far)"
                               ) from exc
@@ -229,14 +232,14 @@ def _transfer(call, fd: int, tensor: torch.Tensor, offset: int) -> None:
         done += moved
 
 
-def _check_directory(directory: Optional[str]) -> str:
+def _check_directory(directory: Optional[str], section: str) -> str:
+    key = f"{section}.nvme_path"
     if not directory:
-        raise ConfigError(NVME_KEY, 'is required when offload_optimizer.device is "nvme"')
+        raise ConfigError(key, f'is required when {section.split(".")[-1]}.device is "nvme"')
     if not os.path.isdir(directory):
-        raise ConfigError(NVME_KEY, f"{directory!r} is not an existing directory",
-                          value=directory)
+        raise ConfigError(key, f"{directory!r} is not an existing directory", value=directory)
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(NVME_KEY, f"{directory!r} is not writable by this process",
+        raise ConfigError(key, f"{directory!r} is not writable by this process",
                           value=directory)
     return os.path.abspath(directory)
 
@@ -248,4 +251,16 @@ def build_storage(plan: OffloadPlan, rank: int) -> Optional[HostStorage]:
         return NvmeStorage(plan.nvme_path, rank, slots=plan.buffer_count, pin_memory=True)
     if plan.optimizer_offloaded:
         return HostStorage(plan.pin_memory)
+    return None
+
+
+def build_param_storage(plan: OffloadPlan, rank: int) -> Optional[HostStorage]:
+    """Where stage-3 parameter shards live between uses: None (the device), host memory
+    (pinned when asked), or files under ``offload_param.nvme_path``, read through the page
+    cache when a unit is gathered."""
+    if plan.param == "nvme":
+        return NvmeStorage(plan.param_nvme_path, rank, section="zero_optimization.offload_param",
+                           label="params")
+    if plan.param_offloaded:
+        return HostStorage(plan.param_pin_memory)
     return None

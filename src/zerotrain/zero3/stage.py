@@ -35,7 +35,8 @@ class PartitionedDataParallel(BucketedStage):
     def __init__(self, module: nn.Module, groups: Sequence[list[nn.Parameter]], *,
                  comm: Communicator, policy: PrecisionPolicy, zero_config,
                  make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
-                 storage: Optional[HostStorage] = None, params_on_host: bool = False,
+                 storage: Optional[HostStorage] = None,
+                 param_storage: Optional[HostStorage] = None,
                  delayed_update: bool = False) -> None:
         self.module = module
         self.comm = comm
@@ -50,7 +51,7 @@ class PartitionedDataParallel(BucketedStage):
                             persistence_threshold=int(
                                 zero_config.stage3_param_persistence_threshold))
         self.units = [Unit(spec, comm=comm, policy=policy, group_of=group_of, device=device,
-                           storage=storage, shard_on_host=params_on_host)
+                           storage=storage, shard_storage=param_storage)
                       for spec in specs]
         # records: one per (unit, optimizer group), in unit order
         self._records: list[tuple[Unit, GroupSlice]] = [
@@ -65,6 +66,7 @@ class PartitionedDataParallel(BucketedStage):
         if storage is not None:  # Note: the host step (offload/updater.py)
             self.updater = HostUpdater(self.optimizer, storage, delayed=delayed_update)
             self.updater.attach(self._masters)
+        self.param_storage = param_storage
         self.buckets = ReduceScatterEveryMicroStep(
             [s.layout for _, s in self._records], comm, accum_dtype=policy.grad_accum_dtype,
             device=device, overlap=True)
@@ -93,6 +95,11 @@ class PartitionedDataParallel(BucketedStage):
         super().finish_backward()
         self.scheduler.end_backward()
 
+    def close(self) -> None:
+        super().close()
+        if self.param_storage is not None:
+            self.param_storage.close()
+
     def publish_record(self, k: int) -> None:
         """Record k's parameter-dtype shard follows its master (no communication)."""
         unit, s = self._records[k]
@@ -119,9 +126,9 @@ class PartitionedDataParallel(BucketedStage):
                  if isinstance(t, torch.Tensor)]
         shards = [u.shard for u in self.units]
         full = [u.full for u in self.units if u.full is not None]
-        on_host = bool(shards) and shards[0].device != self.units[0].device
-        return {"parameters": full + ([] if on_host else shards),
-                "host_parameters": shards if on_host else [],
+        where = ("parameters" if self.param_storage is None else
+                 "nvme_parameters" if self.param_storage.swaps else "host_parameters")
+        return {"parameters": full, where: shards,
                 "gradients": self.buckets.tensors(),
                 self.state_category: [u.master for u in self.units] + state}
 

@@ -6,7 +6,7 @@ Note: unit tensors
                  optimizer steps views of it, one per group.
     ``shard``    the same chunks in the parameter dtype; the same tensor as ``master`` in
                  fp32 training without offload. This is what is all-gathered (copied to the
-                 device first when ``offload_param`` keeps it on the host).
+                 device first when ``offload_param`` keeps it in host memory or in a file).
     ``full``     the unit's full parameters, one flat buffer in the parameter dtype, present
                  only while gathered; each parameter's ``.data`` is a view of it then, and an
                  empty tensor otherwise (``partition.py``).
@@ -52,7 +52,8 @@ class GroupSlice:
 class Unit:
     def __init__(self, spec: UnitSpec, *, comm: Communicator, policy: PrecisionPolicy,
                  group_of: dict[int, Optional[int]], device: torch.device,
-                 storage: Optional[HostStorage] = None, shard_on_host: bool = False) -> None:
+                 storage: Optional[HostStorage] = None,
+                 shard_storage: Optional[HostStorage] = None) -> None:
         self.spec = spec
         self.comm = comm
         self.policy = policy
@@ -64,9 +65,9 @@ class Unit:
         if not policy.has_master_copy and storage is None:
             self.shard = self.master
         else:  # offloaded masters live on the host; the shard stays where it is gathered from
-            self.shard = torch.empty(self.shard_numel, dtype=policy.param_dtype,
-                                     device="cpu" if shard_on_host else device,
-                                     pin_memory=shard_on_host and torch.cuda.is_available())
+            self.shard = (shard_storage.zeros(self.shard_numel, policy.param_dtype)
+                          if shard_storage is not None else
+                          torch.empty(self.shard_numel, dtype=policy.param_dtype, device=device))
             self.shard.copy_(self.master)
         self.full: Optional[torch.Tensor] = None
         self.state = UnitState.RELEASED

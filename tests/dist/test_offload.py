@@ -242,3 +242,33 @@ def test_delayed_update_is_the_one_step_delay(worlds, tmp_path, stage, device):
     for delayed, plain in worlds.run(2, _dpu, str(tmp_path), stage, device):
         assert delayed <= 1e-6
         assert plain > 1e-4     # it is a different algorithm, not a no-op flag
+
+
+# --------------------------------------------------------------------------- where state lives
+def _breakdown(rank, world, nvme_dir):
+    import zerotrain
+    out = {}
+    for stage, kind in ((2, "cpu"), (2, "nvme"), (3, "cpu+param"), (3, "nvme+nvme")):
+        config = R.engine_config(stage=stage, precision="bf16")
+        config["zero_optimization"].update(_offload(kind, nvme_dir))
+        engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
+        R.train_engine(engine, steps=2, rank=rank, ga=1)
+        records = engine.stage.shard_records()
+        shard = sum(r.master.numel() for r in records)
+        out[(stage, kind)] = (engine.memory_breakdown(), shard, len(records))
+        engine.close()
+    return out
+
+
+def test_offloaded_state_is_12_bytes_per_shard_element_off_the_device(worlds, tmp_path):
+    """fp32 master + exp_avg + exp_avg_sq, counted by storage; nothing else is kept there
+    (no fp32 gradient copy), and the device keeps no optimizer state."""
+    for res in worlds.run(2, _breakdown, str(tmp_path)):
+        for (stage, kind), (held, shard, records) in res.items():
+            where = "nvme_optimizer_state" if kind.startswith("nvme") else "host_optimizer_state"
+            steps = 4 * records                     # Adam's fp32 step counter per record
+            assert held.get(where) == 12 * shard + steps, (stage, kind, held)
+            assert held.get("optimizer_state", 0) == 0, (stage, kind, held)
+            if stage == 3:
+                params = "nvme_parameters" if kind == "nvme+nvme" else "host_parameters"
+                assert held[params] == 2 * shard, (stage, kind, held)   # bf16 shard

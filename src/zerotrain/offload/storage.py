@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import queue
 import shutil
@@ -31,6 +32,7 @@ from ..errors import ConfigError
 from .plan import OffloadPlan
 
 OPTIMIZER_SECTION = "zero_optimization.offload_optimizer"
+logger = logging.getLogger(__name__)
 _IO_CHUNK = 1 << 30  # bytes per preadv/pwrite call (Linux caps one call near 2 GiB)
 
 
@@ -39,15 +41,34 @@ def _pinnable(pin: bool) -> bool:
 
 
 class HostStorage:
-    """State in host RAM, pinned when asked (and CUDA exists): always resident."""
+    """State in host RAM, pinned when asked (and CUDA exists): always resident.
+
+    Pinned state is ordinary memory page-locked with ``cudaHostRegister`` rather than taken
+    from torch's pinned allocator, which rounds every block up to a power of two: for
+    state that is most of the host's memory, that rounding could nearly double it.
+    """
 
     swaps = False
 
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin = _pinnable(pin_memory)
+        self._registered: list[torch.Tensor] = []
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+        tensor = torch.zeros(numel, dtype=dtype)
+        if self.pin and numel > 0:
+            self._register(tensor)
+        return tensor
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        if int(status) != 0:
+            logger.warning("could not page-lock %.2f GiB of offloaded state (CUDA error %s); "
+                           "it stays pageable, and its copies synchronous", nbytes / 2**30,
+                           int(status))
+            return
+        self._registered.append(tensor)
 
     def staging(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A transfer buffer (pinned when possible, so copies can be asynchronous)."""
@@ -67,7 +88,10 @@ class HostStorage:
         pass
 
     def close(self) -> None:
-        pass
+        """Unlock pinned state (the tensors stay valid, pageable)."""
+        for tensor in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        self._registered.clear()
 
 
 @dataclass(slots=True)

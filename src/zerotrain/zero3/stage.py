@@ -66,6 +66,7 @@ class PartitionedDataParallel(BucketedStage):
         if storage is not None:  # Note: the host step (offload/updater.py)
             self.updater = HostUpdater(self.optimizer, storage, delayed=delayed_update)
             self.updater.attach(self._masters)
+        self.storage = storage
         self.param_storage = param_storage
         self.buckets = ReduceScatterEveryMicroStep(
             [s.layout for _, s in self._records], comm, accum_dtype=policy.grad_accum_dtype,

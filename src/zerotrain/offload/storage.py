@@ -62,7 +62,7 @@ class HostStorage:
 
     def _register(self, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1)  # portable
         if int(status) != 0:
             logger.warning("could not page-lock %.2f GiB of offloaded state (CUDA error %s); "
                            "it stays pageable, and its copies synchronous", nbytes / 2**30,

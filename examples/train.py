@@ -3,6 +3,9 @@
     python -m torch.distributed.run --nproc_per_node 2 examples/train.py \
         --deepspeed --deepspeed_config examples/ds_config.json
 
+(`examples/ds_config_offload.json`: the same at ZeRO-3 with parameters and optimizer
+state offloaded to the CPU.)
+
 It trains the demo's small byte-level GPT on the Python standard library's own source
 files, which every machine with Python has.
 """

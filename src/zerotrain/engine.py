@@ -173,8 +173,15 @@ class ZeroEngine(nn.Module):
                     self.get_global_grad_norm())
         if self.config.wall_clock_breakdown:
             logger.info("time (ms) over the last %d steps: %s", self.config.steps_per_print,
-                        {k: round(v * 1e3, 2) for k, v in self._timers.items()})
-            self._timers.clear()
+                        {k: round(v * 1e3, 2) for k, v in self.timing_breakdown().items()})
+
+    def timing_breakdown(self) -> dict[str, float]:
+        """Seconds spent since the last call: forward, backward, step and, when offloading,
+        the parts of the host step (docs/offload.md); counting starts afresh."""
+        times = dict(self._timers)
+        times.update(self.stage.take_timings())
+        self._timers.clear()
+        return times
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine does this after every update)."""

@@ -256,6 +256,8 @@ def _breakdown(rank, world, nvme_dir):
         records = engine.stage.shard_records()
         shard = sum(r.master.numel() for r in records)
         out[(stage, kind)] = (engine.memory_breakdown(), shard, len(records))
+        times = engine.timing_breakdown()
+        assert times["offload_cpu_adam"] > 0 and times["forward"] > 0, times
         engine.close()
     return out
 

@@ -89,6 +89,10 @@ def test_host_updater_steps_each_record_once_and_publishes_in_order():
     updater = HostUpdater(opt, HostStorage())
     updater.step(masters, [torch.ones(5), torch.full((3,), 2.0)], publish=seen.append)
     assert seen == [0, 1]
+    timings = updater.take_timings()
+    assert {"offload_cpu_adam", "offload_publish", "offload_gradient_wait"} <= set(timings)
+    assert all(seconds >= 0 for seconds in timings.values())
+    assert updater.take_timings() == {}         # counting starts afresh
     assert torch.equal(masters[0], -torch.ones(5)) and torch.equal(masters[1], torch.full((3,), -2.0))
     assert all(m.grad is None for m in masters)
 

@@ -13,6 +13,15 @@ Note: the host step
     Host memory holds the fp32 state (12 bytes per parameter of this rank's shard) plus two
     staging buffers of the largest record: no full-size fp32 gradient copy.
 
+Note: where the time goes
+    ``timings`` adds up, per part, the seconds the step spends waiting for gradients to
+    reach the host (``offload_gradient_wait``), for NVMe reads and writes
+    (``offload_nvme_read_wait``, ``offload_nvme_write_wait``), in the CPU Adam
+    (``offload_cpu_adam``), sending new values to the device (``offload_publish``) and, with
+    ``dpu``, waiting for the delayed update (``offload_delayed_wait``). With
+    ``wall_clock_breakdown`` the engine logs them next to forward/backward/step, so a slow
+    offloaded step shows which part is slow.
+
 Note: delayed parameter update
     With ``offload_optimizer.dpu`` the step does not wait for the host: the gradients are
     copied to the host and the update runs on a worker thread while the next micro-batches
@@ -23,6 +32,8 @@ Note: delayed parameter update
 """
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
@@ -47,6 +58,8 @@ class HostUpdater:
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotrain-dpu")
                         if delayed else None)
         self._pending: Optional[Future] = None
+        # seconds spent, by part, since the last ``take_timings`` (Note "where the time goes")
+        self.timings: dict[str, float] = defaultdict(float)
 
     # ------------------------------------------------------------------ set-up
     def attach(self, masters: Sequence[torch.Tensor]) -> None:
@@ -91,8 +104,17 @@ class HostUpdater:
         if self._pending is None:
             return False
         pending, self._pending = self._pending, None
-        pending.result()
+        with self._timed("offload_delayed_wait"):
+            pending.result()
         return True
+
+    def take_timings(self) -> dict[str, float]:
+        """The seconds by part since the last call, and start counting afresh."""
+        taken, self.timings = dict(self.timings), defaultdict(float)
+        return taken
+
+    def _timed(self, part: str):
+        return _Timer(self.timings, part)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -110,18 +132,23 @@ class HostUpdater:
         for k, master in enumerate(masters):
             if k + 1 < count:
                 self._prefetch(masters, k + 1)
-            _wait_for_device([grads[k]])
+            with self._timed("offload_gradient_wait"):
+                _wait_for_device([grads[k]])
             grad = host
             if k + 1 < count:
                 host = self._to_host(grads[k + 1], (k + 1) % 2)
-            self.storage.swap_in(k)
-            master.grad = grad.view(master.shape)
-            self.optimizer.step()
-            master.grad = None
+            with self._timed("offload_nvme_read_wait"):
+                self.storage.swap_in(k)
+            with self._timed("offload_cpu_adam"):
+                master.grad = grad.view(master.shape)
+                self.optimizer.step()
+                master.grad = None
             if publish is not None:
-                publish(k)
+                with self._timed("offload_publish"):
+                    publish(k)
             self.storage.swap_out(k)
-        self.storage.drain()
+        with self._timed("offload_nvme_write_wait"):
+            self.storage.drain()
 
     def _prefetch(self, masters: Sequence[torch.Tensor], k: int) -> None:
         if not self.storage.swaps:
@@ -155,6 +182,17 @@ class HostUpdater:
         buffer = self._staging[slot][: grad.numel()]
         buffer.copy_(grad, non_blocking=True)
         return buffer
+
+
+class _Timer:
+    def __init__(self, into: dict, part: str) -> None:
+        self.into, self.part = into, part
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.into[self.part] += time.perf_counter() - self.start
 
 
 def _wait_for_device(tensors: Sequence[torch.Tensor]) -> None:

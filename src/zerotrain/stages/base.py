@@ -79,6 +79,9 @@ class Stage(Protocol):
     def close(self) -> None:
         """Release offload resources (threads, NVMe files)."""
 
+    def take_timings(self) -> dict[str, float]:
+        """Seconds by part of the offloaded step since the last call ({} without offload)."""
+
 
 class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
@@ -157,6 +160,10 @@ class BucketedStage:
         """Release offload resources (threads, NVMe files)."""
         if self.updater is not None:
             self.updater.close()
+
+    def take_timings(self) -> dict[str, float]:
+        """Seconds by part of the offloaded step since the last call ({} without offload)."""
+        return self.updater.take_timings() if self.updater is not None else {}
 
 
 @dataclass(frozen=True, slots=True)

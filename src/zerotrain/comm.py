@@ -127,6 +127,14 @@ class Communicator:
         self.ledger = CommLedger()
         self.debug = debug
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's tensors must be: the current GPU under NCCL, else the CPU
+        (offloaded state on the host is copied here before it is communicated)."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False,
                    label: str = ""):
         """In-place reduction of ``tensor`` over all ranks (``op``: sum, max, min, avg)."""

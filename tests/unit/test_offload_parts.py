@@ -126,3 +126,45 @@ def test_host_gradient_staging_is_two_buffers_of_the_largest_record():
     assert sum(b.numel() for b in updater._staging) <= 2 * max(sizes)
     for m, r in zip(masters, reference):
         torch.testing.assert_close(m, r, atol=1e-6, rtol=0)
+
+
+def _nvme_updater(tmp_path, sizes=(6, 4)):
+    storage = NvmeStorage(str(tmp_path), rank=0, slots=2)
+    masters = [storage.zeros(n) for n in sizes]
+    opt = torch.optim.AdamW(masters, lr=0.1, fused=True)
+    updater = HostUpdater(opt, storage)
+    updater.attach(masters)
+    return storage, masters, opt, updater
+
+
+def test_nvme_state_survives_a_load_that_drops_or_replaces_it(tmp_path):
+    """A checkpoint without optimizer state clears the entries; one with state may hand in
+    ordinary tensors. Either way the state returns to its reserved files: no new files,
+    and Adam finds its step counter."""
+    storage, masters, opt, updater = _nvme_updater(tmp_path)
+    grads = [torch.ones(6), torch.ones(4)]
+    updater.step(masters, grads, publish=lambda k: None)
+    reserved, files = storage.reserved_bytes, len(storage._fds)
+    opt.state[masters[0]].clear()                                   # loaded without state
+    opt.state[masters[1]]["exp_avg"] = torch.full((4,), 0.5)        # loaded with state
+    updater.step(masters, grads, publish=lambda k: None)
+    assert storage.reserved_bytes == reserved and len(storage._fds) == files
+    assert float(opt.state[masters[0]]["step"]) == 1.0              # fresh, as a new Adam
+    assert float(opt.state[masters[1]]["step"]) == 2.0
+    assert storage.home_of(opt.state[masters[1]]["exp_avg"]) is not None
+    updater.close()
+
+
+def test_a_failed_nvme_step_leaves_every_tensor_home_and_the_next_step_works(tmp_path):
+    storage, masters, opt, updater = _nvme_updater(tmp_path)
+    homes = [m.untyped_storage().data_ptr() for m in masters]
+
+    def publish(k):
+        raise RuntimeError("device lost")
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        updater.step(masters, [torch.ones(6), torch.ones(4)], publish=publish)
+    assert [m.untyped_storage().data_ptr() for m in masters] == homes
+    updater.step(masters, [torch.ones(6), torch.ones(4)], publish=lambda k: None)
+    assert all(m.untyped_storage().data_ptr() == h for m, h in zip(masters, homes))
+    updater.close()

@@ -205,8 +205,7 @@ def _agree(state: TrainingState, records, failure: Optional[BaseException], path
     """One scalar all-reduce (min over ranks of the first failing rank): all raise or none."""
     comm = state.comm
     if comm.world_size > 1:
-        device = records[0].master.device if records else torch.device("cpu")
-        flag = torch.tensor([comm.rank if failure else comm.world_size], device=device)
+        flag = torch.tensor([comm.rank if failure else comm.world_size], device=comm.device)
         comm.all_reduce(flag, op="min")
         first = int(flag.item())
     else:

@@ -9,14 +9,15 @@ Note: NVMe swapping
     step, a record's tensors (fp32 master, ``exp_avg``, ``exp_avg_sq``) are read with
     ``preadv`` by a worker thread into a pinned slot, re-pointed there (``Tensor.set_``, so
     the optimizer's keys stay the same objects), stepped, pointed home again and written
-    back by a worker while the next record steps. Three slots: one reading, one stepping,
-    one writing.
+    back by a worker while the next record steps. ``buffer_count`` slots, 2 or 3 (one
+    reading, one stepping, one writing).
 """
 from __future__ import annotations
 
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import queue
 import shutil
@@ -55,20 +56,27 @@ class HostStorage:
         self._registered: list[torch.Tensor] = []
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        tensor = torch.zeros(numel, dtype=dtype)
-        if self.pin and numel > 0:
-            self._register(tensor)
-        return tensor
+        if not self.pin or numel == 0:
+            return torch.zeros(numel, dtype=dtype)
+        # whole pages of its own: cudaHostRegister refuses a page that is registered already,
+        # and two small tensors from the heap may share one
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        raw = torch.zeros(span + mmap.PAGESIZE, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % mmap.PAGESIZE
+        pages = raw[start: start + span]
+        self._register(pages)
+        return pages[:nbytes].view(dtype)
 
-    def _register(self, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1)  # portable
+    def _register(self, pages: torch.Tensor) -> None:
+        nbytes = pages.numel()
+        status = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), nbytes, 1)  # portable
         if int(status) != 0:
             logger.warning("could not page-lock %.2f GiB of offloaded state (CUDA error %s); "
                            "it stays pageable, and its copies synchronous", nbytes / 2**30,
                            int(status))
             return
-        self._registered.append(tensor)
+        self._registered.append(pages)
 
     def staging(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A transfer buffer (pinned when possible, so copies can be asynchronous)."""
@@ -87,8 +95,13 @@ class HostStorage:
     def drain(self) -> None:
         pass
 
+    def abort(self) -> None:
+        """After a failed step: nothing is swapped, nothing to undo."""
+
     def close(self) -> None:
         """Unlock pinned state (the tensors stay valid, pageable)."""
+        if self._registered:
+            torch.cuda.synchronize()   # no copy from it may still be in flight
         for tensor in self._registered:
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
         self._registered.clear()
@@ -197,13 +210,38 @@ class NvmeStorage(HostStorage):
 
     def drain(self) -> None:
         """Wait for every write: at rest, the maps now hold the newest values."""
-        for future in self._writes:
+        writes, self._writes = self._writes, []
+        for future in writes:
             future.result()
+
+    def abort(self) -> None:
+        """After a step failed part-way: point every tensor home, finish the I/O in flight
+        and return its slots, so the storage is usable (and closable) again. Records read
+        but not yet written back keep their values from before the step."""
+        for slot, homes in self._resident.values():
+            for home in homes:
+                home.tensor.set_(home.storage, home.offset, (home.numel,))
+            self._slots.put(slot)
+        self._resident.clear()
+        for future, slot, _ in self._reads.values():
+            try:
+                future.result()
+            except Exception:   # the step is failing already; its error is what matters
+                pass
+            self._slots.put(slot)
+        self._reads.clear()
+        for future in self._writes:
+            try:
+                future.result()
+            except Exception:
+                pass
         self._writes.clear()
 
     def close(self) -> None:
-        self.drain()
-        self._io.shutdown(wait=True)
+        try:
+            self.drain()
+        finally:
+            self._io.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

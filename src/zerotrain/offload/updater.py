@@ -32,6 +32,7 @@ Note: delayed parameter update
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +59,9 @@ class HostUpdater:
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotrain-dpu")
                         if delayed else None)
         self._pending: Optional[Future] = None
+        self._homes: dict[int, dict[str, torch.Tensor]] = {}   # NVMe: each master's state
+        self._ready: list[Optional[torch.cuda.Event]] = [None, None]  # staging copies landed
+        self._lock = threading.Lock()
         # seconds spent, by part, since the last ``take_timings`` (Note "where the time goes")
         self.timings: dict[str, float] = defaultdict(float)
 
@@ -77,10 +81,11 @@ class HostUpdater:
         numel = 0
         for master in masters:
             state = self.optimizer.state[master]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                for key in _ADAM_STATE:
-                    state[key] = self.storage.zeros(master.numel())
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+            # held here too: the files stay reserved whatever replaces the state's entries
+            self._homes[id(master)] = {key: self.storage.zeros(master.numel())
+                                       for key in _ADAM_STATE}
+            state.update(self._homes[id(master)])
             numel = max(numel, master.numel() * (1 + len(_ADAM_STATE)))
         self.storage.reserve_slots(numel)
 
@@ -96,7 +101,8 @@ class HostUpdater:
             self._held = [self.storage.staging(g.numel()) for g in grads]
         for held, grad in zip(self._held, grads):
             held.copy_(grad, non_blocking=True)
-        _wait_for_device(grads)
+        if any(g.device.type == "cuda" for g in grads):
+            torch.cuda.current_stream().synchronize()   # the worker reads them next
         self._pending = self._worker.submit(self._run, list(masters), self._held, None)
 
     def settle(self) -> bool:
@@ -110,20 +116,32 @@ class HostUpdater:
 
     def take_timings(self) -> dict[str, float]:
         """The seconds by part since the last call, and start counting afresh."""
-        taken, self.timings = dict(self.timings), defaultdict(float)
+        with self._lock:
+            taken, self.timings = dict(self.timings), defaultdict(float)
         return taken
 
-    def _timed(self, part: str):
-        return _Timer(self.timings, part)
+    def _timed(self, part: str) -> "_Timer":
+        return _Timer(self, part)
 
     def close(self) -> None:
-        if self._worker is not None:
-            self.settle()
-            self._worker.shutdown(wait=True)
-        self.storage.close()
+        try:
+            if self._worker is not None:
+                self.settle()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self.storage.close()
 
     def _run(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
              publish: Optional[Callable[[int], None]]) -> None:
+        try:
+            self._run_records(masters, grads, publish)
+        except BaseException:
+            self.storage.abort()   # every tensor back home, no slot lost; the step failed
+            raise
+
+    def _run_records(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                     publish: Optional[Callable[[int], None]]) -> None:
         count = len(masters)
         if count == 0:
             return
@@ -133,7 +151,7 @@ class HostUpdater:
             if k + 1 < count:
                 self._prefetch(masters, k + 1)
             with self._timed("offload_gradient_wait"):
-                _wait_for_device([grads[k]])
+                self._wait_staged(k % 2)
             grad = host
             if k + 1 < count:
                 host = self._to_host(grads[k + 1], (k + 1) % 2)
@@ -157,45 +175,56 @@ class HostUpdater:
         self.storage.prefetch(k, [masters[k]] + [state[key] for key in _ADAM_STATE])
 
     def _adopted_state(self, master: torch.Tensor) -> dict:
-        """The master's state, moved into storage if something (a checkpoint load) replaced
-        a state tensor with an ordinary one."""
+        """The master's state, back in its NVMe files if something (a checkpoint load)
+        replaced or dropped an entry: values are copied in, and a missing entry (a load
+        without optimizer state) starts from zero, as a fresh Adam would."""
         state = self.optimizer.state[master]
-        for key in _ADAM_STATE:
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            for home in self._homes[id(master)].values():
+                home.zero_()
+        for key, home in self._homes[id(master)].items():
             value = state.get(key)
-            try:
-                self.storage.home_of(value)
-            except (ValueError, AttributeError):
-                home = self.storage.zeros(master.numel())
+            if value is not home:
                 if value is not None:
                     home.copy_(value)
                 state[key] = home
         return state
 
-    def _to_host(self, grad: torch.Tensor, slot: int) -> torch.Tensor:
-        """``grad`` as an fp32 host tensor: itself on CPU, else a staging buffer's copy."""
+    def _to_host(self, grad: torch.Tensor, index: int) -> torch.Tensor:
+        """``grad`` as an fp32 host tensor: itself on CPU, else staging buffer ``index``'s
+        copy (asynchronous from a GPU; ``_wait_staged(index)`` before reading it)."""
+        self._ready[index] = None
         if grad.device.type == "cpu" and grad.dtype == torch.float32:
             return grad
-        while len(self._staging) <= slot:
+        while len(self._staging) <= index:
             self._staging.append(self.storage.staging(0))
-        if self._staging[slot].numel() < grad.numel():
-            self._staging[slot] = self.storage.staging(grad.numel())
-        buffer = self._staging[slot][: grad.numel()]
+        if self._staging[index].numel() < grad.numel():
+            self._staging[index] = self.storage.staging(grad.numel())
+        buffer = self._staging[index][: grad.numel()]
         buffer.copy_(grad, non_blocking=True)
+        if grad.device.type == "cuda":
+            self._ready[index] = torch.cuda.Event()
+            self._ready[index].record()
         return buffer
+
+    def _wait_staged(self, index: int) -> None:
+        """Wait for staging copy ``index`` only (not for later work on the stream)."""
+        event, self._ready[index] = self._ready[index], None
+        if event is not None:
+            event.synchronize()
 
 
 class _Timer:
-    def __init__(self, into: dict, part: str) -> None:
-        self.into, self.part = into, part
+    """Adds a block's seconds to ``updater.timings`` (under its lock: the delayed update's
+    worker thread times its parts too)."""
+
+    def __init__(self, updater: HostUpdater, part: str) -> None:
+        self.updater, self.part = updater, part
 
     def __enter__(self) -> None:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        self.into[self.part] += time.perf_counter() - self.start
-
-
-def _wait_for_device(tensors: Sequence[torch.Tensor]) -> None:
-    """Asynchronous device-to-host copies must land before the host reads them."""
-    if any(t.device.type == "cuda" for t in tensors):
-        torch.cuda.current_stream().synchronize()
+        with self.updater._lock:
+            self.updater.timings[self.part] += time.perf_counter() - self.start

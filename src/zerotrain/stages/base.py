@@ -58,7 +58,8 @@ class Stage(Protocol):
 
     def step(self, *, grad_scale: float, clip: float) -> StepOutcome:
         """Average, unscale (divide by ``grad_scale``), clip to ``clip`` (0 = off), step,
-        and publish the updated parameters to the module on every rank."""
+        and publish the updated parameters to the module on every rank (with a delayed
+        update, the step runs on and ``settle`` publishes)."""
 
     def zero_grad(self) -> None:
         """Drop all accumulated gradients."""

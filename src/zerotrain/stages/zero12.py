@@ -181,7 +181,8 @@ class ShardedDataParallel(BucketedStage):
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this stage holds, for distinct-storage accounting."""
         params = [p for g in self.groups for p in g.params]
-        state = [t for s in self.optimizer.state.values() for t in s.values()
+        # list(): a delayed update's worker may be adding state entries meanwhile
+        state = [t for s in list(self.optimizer.state.values()) for t in list(s.values())
                  if isinstance(t, torch.Tensor)]
         return {
             "parameters": params,

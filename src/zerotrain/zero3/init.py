@@ -165,11 +165,11 @@ class GatheredParameters:
         for p in self.params:
             if p.numel() == p.ds_numel:  # already whole (its unit is gathered)
                 continue
-            chunk = p.ds_tensor
+            chunk = p.ds_tensor.to(self.comm.device)   # offloaded shards live on the host
             out = torch.empty(self.comm.world_size * chunk.numel(), dtype=chunk.dtype,
                               device=chunk.device)
             self.comm.all_gather(out, chunk.contiguous())
-            p.data = P.fill_full(p, out).to(p.dtype).clone()
+            p.data = P.fill_full(p, out).to(device=_compute_device(p), dtype=p.dtype).clone()
             self._gathered.append(p)
         return self
 
@@ -178,7 +178,7 @@ class GatheredParameters:
             return
         if self.modifier_rank is not None and exc[0] is None:
             for p in self.params:
-                full = p.data.contiguous()
+                full = p.data.to(self.comm.device).contiguous()
                 self.comm.broadcast(full, src=_global_rank(self.comm, self.modifier_rank))
                 p.data.copy_(full.view_as(p.data))
                 chunk = P.chunk_of(full, self.comm.rank, self.comm.world_size)
@@ -189,6 +189,12 @@ class GatheredParameters:
         for p in self._gathered:
             p.data = P.empty_placeholder(p)
         self._gathered.clear()
+
+
+def _compute_device(p: nn.Parameter) -> torch.device:
+    """Where a partitioned parameter is used: its unit's device once a stage owns it."""
+    unit = getattr(p, "ds_unit", None)
+    return unit.device if unit is not None else p.ds_tensor.device
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

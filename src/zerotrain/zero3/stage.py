@@ -103,6 +103,10 @@ class PartitionedDataParallel(BucketedStage):
 
     def publish_record(self, k: int) -> None:
         """Record k's parameter-dtype shard follows its master (no communication)."""
+        if k == 0 and self.param_storage is not None and self.units[0].device.type == "cuda":
+            # host shards may still be read by queued host-to-device copies of the last
+            # backward (with dpu this runs right after it): let those land first
+            torch.cuda.current_stream(self.units[0].device).synchronize()
         unit, s = self._records[k]
         unit.refresh_slice(s, self._masters[k])
 
@@ -123,7 +127,8 @@ class PartitionedDataParallel(BucketedStage):
         return out
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
-        state = [t for st in self.optimizer.state.values() for t in st.values()
+        # list(): a delayed update's worker may be adding state entries meanwhile
+        state = [t for st in list(self.optimizer.state.values()) for t in list(st.values())
                  if isinstance(t, torch.Tensor)]
         shards = [u.shard for u in self.units]
         full = [u.full for u in self.units if u.full is not None]

@@ -1,6 +1,7 @@
 """Choosing the stage object: the only place that branches on ``zero_optimization.stage``."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
 from .comm import Communicator
 from .errors import ConfigError
-from .offload import OffloadPlan, build_param_storage, build_storage
+from .offload import OffloadPlan, build_param_storage, build_storage, build_updater
 from .precision import PrecisionPolicy
 from .zero3.stage import PartitionedDataParallel
 from .stages.base import Stage, StepOutcome
@@ -39,13 +40,17 @@ def build_stage(stage: int, *, module: nn.Module,
         raise ConfigError("zero_optimization.stage", f"stage {stage} does not exist; use 0-3",
                           value=stage)
     offload = OffloadPlan.from_config(zero_config)
-    storage = build_storage(offload, comm.rank)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    storage = build_storage(offload, comm.rank, device)
+    make_updater = functools.partial(build_updater, storage=storage,
+                                     delayed=offload.delayed_update)
     if stage == 3:
         return PartitionedDataParallel(module, [params for _, params in groups], comm=comm,
                                        policy=policy, zero_config=zero_config,
                                        make_optimizer=make_optimizer, storage=storage,
-                                       param_storage=build_param_storage(offload, comm.rank),
-                                       delayed_update=offload.delayed_update)
+                                       param_storage=build_param_storage(offload, comm.rank,
+                                                                         device),
+                                       make_updater=make_updater)
     plan = ShardPlan(
         shard_world=1 if stage == 0 else comm.world_size,
         reduce_bucket_numel=int(zero_config.reduce_bucket_size),
@@ -55,4 +60,4 @@ def build_stage(stage: int, *, module: nn.Module,
     )
     return ShardedDataParallel(groups, comm=comm, policy=policy, plan=plan,
                                make_optimizer=make_optimizer, storage=storage,
-                               delayed_update=offload.delayed_update)
+                               make_updater=make_updater)

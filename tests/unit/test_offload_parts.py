@@ -46,7 +46,7 @@ def test_nvme_path_must_exist(tmp_path):
         stage=3, offload_optimizer={"device": "cpu"},
         offload_param={"device": "nvme", "nvme_path": str(tmp_path / "missing")}))
     with pytest.raises(ConfigError) as err:
-        build_param_storage(plan, rank=0)
+        build_param_storage(plan, rank=0, device=torch.device("cpu"))
     assert err.value.path == "zero_optimization.offload_param.nvme_path"
 
 

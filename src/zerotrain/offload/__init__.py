@@ -1,13 +1,17 @@
 """Offload: fp32 master weights and optimizer state on the host (CPU RAM or NVMe files),
 stepped there by torch's fused CPU Adam, and stage-3 parameter shards kept on the host.
 
-``plan.py`` reads the config; ``storage.py`` allocates host tensors (pinned RAM, or files
-under ``nvme_path``) and swaps NVMe-backed ones through pinned buffers; ``updater.py`` runs
-the optimizer step on the host, one record at a time, overlapping the copies.
+``plan.py`` reads the config; ``storage.py`` allocates state where it lives (the device,
+pinned RAM, or files under ``nvme_path``) and swaps NVMe-backed tensors through pinned
+buffers; ``updater.py`` runs the optimizer step: on the device in one call, or on the host
+one record at a time, overlapping the copies. Stages receive a storage and an updater and
+never branch on the offload configuration; without offload these are the device ones.
 """
 from .plan import OffloadPlan
-from .storage import HostStorage, NvmeStorage, build_param_storage, build_storage
-from .updater import HostUpdater
+from .storage import (DeviceStorage, HostStorage, NvmeStorage, Storage, build_param_storage,
+                      build_storage)
+from .updater import DeviceUpdater, HostUpdater, build_updater
 
-__all__ = ["OffloadPlan", "HostStorage", "NvmeStorage", "HostUpdater", "build_param_storage",
-           "build_storage"]
+__all__ = ["OffloadPlan", "DeviceStorage", "HostStorage", "NvmeStorage", "Storage",
+           "DeviceUpdater", "HostUpdater", "build_param_storage", "build_storage",
+           "build_updater"]

@@ -25,7 +25,7 @@ import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -41,6 +41,27 @@ def _pinnable(pin: bool) -> bool:
     return bool(pin) and torch.cuda.is_available()
 
 
+class DeviceStorage:
+    """No offload: state is allocated on the training device, where it is used."""
+
+    kind = "device"      # where the state lives: "device", "host" or "nvme"
+    on_host = False
+    swaps = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def sends_asynchronously(self, tensor: torch.Tensor) -> bool:
+        """Whether a copy of ``tensor`` to the device may run without waiting for it."""
+        return False
+
+    def close(self) -> None:
+        pass
+
+
 class HostStorage:
     """State in host RAM, pinned when asked (and CUDA exists): always resident.
 
@@ -49,11 +70,18 @@ class HostStorage:
     state that is most of the host's memory, that rounding could nearly double it.
     """
 
+    kind = "host"
+    on_host = True
     swaps = False
 
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin = _pinnable(pin_memory)
         self._registered: list[torch.Tensor] = []
+
+    def sends_asynchronously(self, tensor: torch.Tensor) -> bool:
+        """A pinned tensor that stays put can go to the device without waiting (an NVMe
+        slot is reused right after, so its copies wait)."""
+        return not self.swaps and tensor.is_pinned()
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not self.pin or numel == 0:
@@ -122,6 +150,7 @@ class _Home:
 class NvmeStorage(HostStorage):
     """State in files under ``directory``, swapped through pinned slots (Note above)."""
 
+    kind = "nvme"
     swaps = True
 
     def __init__(self, directory: Optional[str], rank: int, *, slots: int = 3,
@@ -306,23 +335,26 @@ def _check_directory(directory: Optional[str], section: str) -> str:
     return os.path.abspath(directory)
 
 
-def build_storage(plan: OffloadPlan, rank: int) -> Optional[HostStorage]:
-    """The storage for offloaded optimizer state, or None when nothing is offloaded."""
+Storage = Union[DeviceStorage, HostStorage]
+
+
+def build_storage(plan: OffloadPlan, rank: int, device: torch.device) -> Storage:
+    """Where fp32 masters and optimizer state live: the device, host memory or NVMe."""
     if plan.optimizer == "nvme":
         # the slots are few and bounded, so they are always pinned
         return NvmeStorage(plan.nvme_path, rank, slots=plan.buffer_count, pin_memory=True)
     if plan.optimizer_offloaded:
         return HostStorage(plan.pin_memory)
-    return None
+    return DeviceStorage(device)
 
 
-def build_param_storage(plan: OffloadPlan, rank: int) -> Optional[HostStorage]:
-    """Where stage-3 parameter shards live between uses: None (the device), host memory
-    (pinned when asked), or files under ``offload_param.nvme_path``, read through the page
-    cache when a unit is gathered."""
+def build_param_storage(plan: OffloadPlan, rank: int, device: torch.device) -> Storage:
+    """Where stage-3 parameter shards live between uses: the device, host memory (pinned
+    when asked), or files under ``offload_param.nvme_path``, read through the page cache
+    when a unit is gathered."""
     if plan.param == "nvme":
         return NvmeStorage(plan.param_nvme_path, rank, section="zero_optimization.offload_param",
                            label="params")
     if plan.param_offloaded:
         return HostStorage(plan.param_pin_memory)
-    return None
+    return DeviceStorage(device)

@@ -41,9 +41,49 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
-from .storage import HostStorage
+from .storage import HostStorage, Storage
 
 _ADAM_STATE = ("exp_avg", "exp_avg_sq")
+
+
+class DeviceUpdater:
+    """No offload: one optimizer step over every record on the device, then publish."""
+
+    delayed = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def attach(self, masters: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def step(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+             publish: Callable[[int], None]) -> None:
+        for master, grad in zip(masters, grads):
+            master.grad = grad
+        self.optimizer.step()   # one call: fused and foreach kernels see every shard
+        for master in masters:
+            master.grad = None
+        for k in range(len(masters)):
+            publish(k)
+
+    def settle(self) -> bool:
+        return False
+
+    def take_timings(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def build_updater(optimizer: torch.optim.Optimizer, storage: Storage, *,
+                  delayed: bool = False) -> "DeviceUpdater | HostUpdater":
+    """The updater for where ``storage`` keeps the masters (the stage calls it once its
+    optimizer exists)."""
+    if not storage.on_host:
+        return DeviceUpdater(optimizer)
+    return HostUpdater(optimizer, storage, delayed=delayed)
 
 
 class HostUpdater:

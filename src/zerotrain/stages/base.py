@@ -88,14 +88,14 @@ class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
     clearing, and the step (``prepare_gradients``, the update, then publishing).
 
-    A subclass sets ``buckets``, ``optimizer``, ``comm`` and ``sharded`` (whether the
-    optimizer's shards differ between ranks), and ``updater`` when offloading; it implements
+    A subclass sets ``buckets``, ``optimizer``, ``comm``, ``sharded`` (whether the
+    optimizer's shards differ between ranks), ``storage`` (where masters live) and
+    ``updater`` (``offload.build_updater``: how they are stepped); it implements
     ``shard_records`` (one record per bucket layout, in the same order) and
     ``publish_record`` (record k's master to the module's parameters; collective).
     """
 
     _boundary = True
-    updater = None   # an offload.HostUpdater when the optimizer state lives on the host
 
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = boundary
@@ -116,36 +116,26 @@ class BucketedStage:
         if isinstance(grads, StepOutcome):   # inf/nan: nothing is stepped
             self.zero_grad()
             return grads
-        if self.updater is None:
-            for record, grad in zip(records, grads.shards):
-                record.master.grad = grad
-            self.optimizer.step()
-            for record in records:
-                record.master.grad = None
-            self.publish_parameters()
-        else:  # offloaded: the host steps record by record (offload/updater.py)
-            self.updater.step([r.master for r in records], grads.shards,
-                              publish=self.publish_record)
-            if not self.updater.delayed:
-                self.finish_publish()
+        # the update (offload/updater.py: on the device, or record by record on the host)
+        self.updater.step([r.master for r in records], grads.shards,
+                          publish=self.publish_record)
+        if not self.updater.delayed:
+            self.finish_publish()
         self.zero_grad()
         return StepOutcome(True, grads.norm)
 
     @property
     def state_category(self) -> str:
         """Where the optimizer state is counted: on the device, in host memory, on NVMe."""
-        storage = getattr(self, "storage", None)
-        if self.updater is None or storage is None:
-            return "optimizer_state"
-        return "nvme_optimizer_state" if storage.swaps else "host_optimizer_state"
+        return _CATEGORY[self.storage.kind] + "optimizer_state"
 
     @property
     def delays_update(self) -> bool:
-        return self.updater is not None and self.updater.delayed
+        return self.updater.delayed
 
     def settle(self) -> None:
         """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""
-        if self.updater is not None and self.updater.settle():
+        if self.updater.settle():
             self.publish_parameters()
 
     def publish_parameters(self) -> None:
@@ -159,12 +149,14 @@ class BucketedStage:
 
     def close(self) -> None:
         """Release offload resources (threads, NVMe files)."""
-        if self.updater is not None:
-            self.updater.close()
+        self.updater.close()
 
     def take_timings(self) -> dict[str, float]:
         """Seconds by part of the offloaded step since the last call ({} without offload)."""
-        return self.updater.take_timings() if self.updater is not None else {}
+        return self.updater.take_timings()
+
+
+_CATEGORY = {"device": "", "host": "host_", "nvme": "nvme_"}  # memory_breakdown prefixes
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from torch import nn
 from ..buckets import GradientBuckets
 from ..comm import Communicator
 from ..flat import Block, FlatLayout
-from ..offload import HostStorage, HostUpdater
+from ..offload import Storage
 from ..precision import PrecisionPolicy
 from .base import BucketedStage, ShardRecord
 
@@ -63,7 +63,8 @@ class ShardedDataParallel(BucketedStage):
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Parameter]]], *,
                  comm: Communicator, policy: PrecisionPolicy, plan: ShardPlan,
                  make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
-                 storage: Optional[HostStorage] = None, delayed_update: bool = False) -> None:
+                 storage: Storage, make_updater: Callable[[torch.optim.Optimizer], Any]
+                 ) -> None:
         self.comm = comm
         self.policy = policy
         self.plan = plan
@@ -76,9 +77,8 @@ class ShardedDataParallel(BucketedStage):
                        for sub_names, sub_params in self._pieces(names, params)]
         self.optimizer = make_optimizer([[sg.master for sg in self.groups if sg.group_index == g]
                                          for g in range(len(groups))])
-        if storage is not None:  # Note: the host step (offload/updater.py)
-            self.updater = HostUpdater(self.optimizer, storage, delayed=delayed_update)
-            self.updater.attach([g.master for g in self.groups])
+        self.updater = make_updater(self.optimizer)   # offload/updater.py
+        self.updater.attach([g.master for g in self.groups])
         self.buckets = plan.buckets([g.layout for g in self.groups], comm,
                                     accum_dtype=policy.grad_accum_dtype, device=self.device,
                                     overlap=plan.overlap_comm)
@@ -96,23 +96,19 @@ class ShardedDataParallel(BucketedStage):
         """The group whole, or, when the host steps it, one piece per bucket, so that the
         host never needs more than one bucket's gradient at a time."""
         blocks = self._layout(params).blocks
-        if self.storage is None or len(blocks) <= 1:
+        if not self.storage.on_host or len(blocks) <= 1:
             return [(names, params)]
         return [([names[i] for i in b.slots], [params[i] for i in b.slots]) for b in blocks]
 
     def _shard_group(self, names: list[str], params: list[nn.Parameter],
                      group_index: int) -> ShardedGroup:
         layout = self._layout(params)
-        if self.storage is not None:
-            master = self.storage.zeros(layout.shard_numel, self.policy.master_dtype)
-        else:
-            master = torch.zeros(layout.shard_numel, dtype=self.policy.master_dtype,
-                                 device=self.device)
+        master = self.storage.zeros(layout.shard_numel, self.policy.master_dtype)
         for slot, param in zip(layout.slots, params):
             master[layout.shard_slice(slot)] = layout.shard_of_full(
                 param.detach(), slot, self.shard_rank).to(master.dtype)
         aliased = (layout.world == 1 and not self.policy.has_master_copy
-                   and self.storage is None)
+                   and not self.storage.on_host)
         if aliased:  # Note: master weights (precision.py): fp32 keeps no copy
             for slot, param in zip(layout.slots, params):
                 param.data = master[layout.shard_slice(slot)].view(param.shape)
@@ -131,12 +127,10 @@ class ShardedDataParallel(BucketedStage):
         group = self.groups[k]
         if group.aliased:
             return
-        # a pinned host master that stays put can be sent without waiting (the cast then
-        # runs on the device); an NVMe slot is reused right after, so that copy waits
-        asynchronous = (self.storage is not None and not self.storage.swaps
-                        and group.master.is_pinned())
-        shard = group.master.to(device=self.device, non_blocking=asynchronous).to(
-            self.policy.param_dtype)
+        # the cast runs on the device, after a copy that waits only where it must
+        shard = group.master.to(device=self.device,
+                                non_blocking=self.storage.sends_asynchronously(group.master)
+                                ).to(self.policy.param_dtype)
         if group.layout.world > 1:
             self._gather_into_params(group, shard)
             return

@@ -13,14 +13,14 @@ Note: one stage-3 step
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..buckets import ReduceScatterEveryMicroStep
 from ..comm import Communicator
-from ..offload import HostStorage, HostUpdater
+from ..offload import Storage
 from ..precision import PrecisionPolicy
 from ..stages.base import BucketedStage, ShardRecord
 from .hooks import GatherPolicy, UnitScheduler, install_module_hooks
@@ -35,9 +35,8 @@ class PartitionedDataParallel(BucketedStage):
     def __init__(self, module: nn.Module, groups: Sequence[list[nn.Parameter]], *,
                  comm: Communicator, policy: PrecisionPolicy, zero_config,
                  make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
-                 storage: Optional[HostStorage] = None,
-                 param_storage: Optional[HostStorage] = None,
-                 delayed_update: bool = False) -> None:
+                 storage: Storage, param_storage: Storage,
+                 make_updater: Callable[[torch.optim.Optimizer], Any]) -> None:
         self.module = module
         self.comm = comm
         self.policy = policy
@@ -63,9 +62,8 @@ class PartitionedDataParallel(BucketedStage):
         for (unit, s), master in zip(self._records, self._masters):
             per_group[s.group].append(master)
         self.optimizer = make_optimizer(per_group)
-        if storage is not None:  # Note: the host step (offload/updater.py)
-            self.updater = HostUpdater(self.optimizer, storage, delayed=delayed_update)
-            self.updater.attach(self._masters)
+        self.updater = make_updater(self.optimizer)   # offload/updater.py
+        self.updater.attach(self._masters)
         self.storage = storage
         self.param_storage = param_storage
         self.buckets = ReduceScatterEveryMicroStep(
@@ -98,12 +96,11 @@ class PartitionedDataParallel(BucketedStage):
 
     def close(self) -> None:
         super().close()
-        if self.param_storage is not None:
-            self.param_storage.close()
+        self.param_storage.close()
 
     def publish_record(self, k: int) -> None:
         """Record k's parameter-dtype shard follows its master (no communication)."""
-        if k == 0 and self.param_storage is not None and self.units[0].device.type == "cuda":
+        if k == 0 and self.param_storage.on_host and self.units[0].device.type == "cuda":
             # host shards may still be read by queued host-to-device copies of the last
             # backward (with dpu this runs right after it): let those land first
             torch.cuda.current_stream(self.units[0].device).synchronize()
@@ -132,8 +129,8 @@ class PartitionedDataParallel(BucketedStage):
                  if isinstance(t, torch.Tensor)]
         shards = [u.shard for u in self.units]
         full = [u.full for u in self.units if u.full is not None]
-        where = ("parameters" if self.param_storage is None else
-                 "nvme_parameters" if self.param_storage.swaps else "host_parameters")
+        where = {"device": "parameters", "host": "host_parameters",
+                 "nvme": "nvme_parameters"}[self.param_storage.kind]
         return {"parameters": full, where: shards,
                 "gradients": self.buckets.tensors(),
                 self.state_category: [u.master for u in self.units] + state}

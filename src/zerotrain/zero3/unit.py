@@ -25,7 +25,7 @@ import torch
 from ..comm import Communicator
 from ..errors import StateError
 from ..flat import FlatLayout
-from ..offload import HostStorage
+from ..offload import Storage
 from ..precision import PrecisionPolicy
 from . import partition as P
 from .units import UnitSpec
@@ -52,8 +52,7 @@ class GroupSlice:
 class Unit:
     def __init__(self, spec: UnitSpec, *, comm: Communicator, policy: PrecisionPolicy,
                  group_of: dict[int, Optional[int]], device: torch.device,
-                 storage: Optional[HostStorage] = None,
-                 shard_storage: Optional[HostStorage] = None) -> None:
+                 storage: Storage, shard_storage: Storage) -> None:
         self.spec = spec
         self.comm = comm
         self.policy = policy
@@ -62,12 +61,10 @@ class Unit:
         self.shard_numel = sum(s.layout.shard_numel for s in self.slices)
         self.numel = spec.numel
         self.master = self._initial_master(storage)
-        if not policy.has_master_copy and storage is None:
+        if not policy.has_master_copy and not storage.on_host and not shard_storage.on_host:
             self.shard = self.master
-        else:  # offloaded masters live on the host; the shard stays where it is gathered from
-            self.shard = (shard_storage.zeros(self.shard_numel, policy.param_dtype)
-                          if shard_storage is not None else
-                          torch.empty(self.shard_numel, dtype=policy.param_dtype, device=device))
+        else:  # masters and shards live apart (16-bit training, or offload)
+            self.shard = shard_storage.zeros(self.shard_numel, policy.param_dtype)
             self.shard.copy_(self.master)
         self.full: Optional[torch.Tensor] = None
         self.state = UnitState.RELEASED
@@ -94,13 +91,9 @@ class Unit:
             column += layout.shard_numel
         return slices
 
-    def _initial_master(self, storage: Optional[HostStorage]) -> torch.Tensor:
+    def _initial_master(self, storage: Storage) -> torch.Tensor:
         """fp32 chunks, from zero.Init's chunks or from the full parameters."""
-        if storage is not None:
-            master = storage.zeros(self.shard_numel, self.policy.master_dtype)
-        else:
-            master = torch.zeros(self.shard_numel, dtype=self.policy.master_dtype,
-                                 device=self.device)
+        master = storage.zeros(self.shard_numel, self.policy.master_dtype)
         rank, world = self.comm.rank, self.comm.world_size
         for s in self.slices:
             for slot, i in zip(s.layout.slots, s.indices):

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..stages.base import FROZEN
 from . import fs, rng
 from .manifest import CheckpointError, read_manifest
 from .match import check_groups, check_model
@@ -45,7 +46,7 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     if path is None:
         return LoadResult(None, None)
     manifest = read_manifest(path)
-    records = state.stage.shard_records()
+    records = state.stage.shard_records() + state.stage.frozen_records()
     index = SourceIndex(manifest)
     check_model(manifest, state.module, records, path)
     with_optimizer = load_optimizer_states and not load_module_only
@@ -57,7 +58,8 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     with Reader(path) as reader:
         try:
             for record in records:
-                _load_record(state, index, reader, record, with_optimizer=with_optimizer)
+                _load_record(state, index, reader, record, with_optimizer=(
+                    with_optimizer and record.group_index != FROZEN))
             _load_module_tensors(state.module, index, reader, records)
             report = CheckpointReport(path=path, elements_read=reader.elements_read,
                                       bytes_read=reader.bytes_read)

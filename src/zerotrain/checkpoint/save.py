@@ -45,7 +45,7 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
     start = time.perf_counter()
     comm = state.comm
     tag = f"global_step{state.counters['global_steps']}" if tag is None else tag
-    records = state.stage.shard_records()
+    records = state.stage.shard_records() + state.stage.frozen_records()
     local: dict[str, Any] = {"tag": tag, "error": None, "nonce": None, "records": []}
     small: dict = {}
     try:

@@ -25,6 +25,9 @@ class StepOutcome:
     nonfinite_params: tuple[str, ...] = ()   # parameters with an inf/nan gradient (some)
 
 
+FROZEN = -1   # ShardRecord.group_index of a frozen parameter's shard (no optimizer group)
+
+
 @dataclass(slots=True)
 class ShardRecord:
     """One flat fp32 tensor the optimizer steps on this rank, described well enough to be
@@ -33,7 +36,8 @@ class ShardRecord:
     ``master`` holds this rank's chunks of ``names`` at ``layout.shard_slice(slot)``;
     ``optimizer_state`` is the optimizer's live state dict for ``master`` (tensors of the
     same size, like ``exp_avg``, and scalars, like ``step``; empty before the first step);
-    ``group_index`` is the optimizer parameter group it belongs to.
+    ``group_index`` is the optimizer parameter group it belongs to, or ``FROZEN`` for the
+    shards of frozen parameters that stage 3 partitions too (no optimizer state).
     """
 
     names: list[str]
@@ -69,6 +73,9 @@ class Stage(Protocol):
 
     def shard_records(self) -> list[ShardRecord]:
         """This rank's optimizer shards, for checkpoints (live tensors: write to load)."""
+
+    def frozen_records(self) -> list[ShardRecord]:
+        """Shards of frozen parameters (stage 3 partitions them too; [] below stage 3)."""
 
     def publish_parameters(self) -> None:
         """Make the module's parameters equal the (possibly just loaded) master shards.
@@ -132,6 +139,9 @@ class BucketedStage:
     @property
     def delays_update(self) -> bool:
         return self.updater.delayed
+
+    def frozen_records(self) -> list[ShardRecord]:
+        return []
 
     def settle(self) -> None:
         """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""

@@ -22,9 +22,8 @@ from ..buckets import ReduceScatterEveryMicroStep
 from ..comm import Communicator
 from ..offload import Storage
 from ..precision import PrecisionPolicy
-from ..stages.base import BucketedStage, ShardRecord
+from ..stages.base import FROZEN, BucketedStage, ShardRecord
 from .hooks import GatherPolicy, UnitScheduler, install_module_hooks
-from .partition import is_partitioned, unpartition
 from .unit import GroupSlice, Unit
 from .units import build_units
 
@@ -45,16 +44,17 @@ class PartitionedDataParallel(BucketedStage):
                                               for p in ps}
         names = {id(p): n for n, p in module.named_parameters()}
         device = _device_of(module)
-        _unpartition_frozen(module, comm)
         specs = build_units(module, unit_numel=int(zero_config.stage3_prefetch_bucket_size),
                             persistence_threshold=int(
                                 zero_config.stage3_param_persistence_threshold))
         self.units = [Unit(spec, comm=comm, policy=policy, group_of=group_of, device=device,
                            storage=storage, shard_storage=param_storage)
                       for spec in specs]
-        # records: one per (unit, optimizer group), in unit order
+        # records: one per (unit, optimizer group), in unit order; frozen slices apart
         self._records: list[tuple[Unit, GroupSlice]] = [
             (u, s) for u in self.units for s in u.slices if s.group is not None]
+        self._frozen: list[tuple[Unit, GroupSlice]] = [
+            (u, s) for u in self.units for s in u.slices if s.group is None]
         self._names = names
         # one view object per record: the optimizer keys its state (and reads .grad) by it
         self._masters = [unit.master_view(s) for unit, s in self._records]
@@ -98,6 +98,12 @@ class PartitionedDataParallel(BucketedStage):
         super().close()
         self.param_storage.close()
 
+    def publish_parameters(self) -> None:
+        """After a load: frozen shards follow their (loaded) masters, then the records."""
+        for unit, s in self._frozen:
+            unit.refresh_slice(s, unit.master_view(s))
+        super().publish_parameters()
+
     def publish_record(self, k: int) -> None:
         """Record k's parameter-dtype shard follows its master (no communication)."""
         if k == 0 and self.param_storage.on_host and self.units[0].device.type == "cuda":
@@ -123,6 +129,17 @@ class PartitionedDataParallel(BucketedStage):
                 optimizer_state=self.optimizer.state[master], group_index=s.group))
         return out
 
+    def frozen_records(self) -> list[ShardRecord]:
+        """Frozen parameters' shards: saved and loaded like records, never stepped."""
+        out = []
+        for unit, s in self._frozen:
+            params = [unit.spec.params[i] for i in s.indices]
+            out.append(ShardRecord(
+                names=[self._names[id(p)] for p in params],
+                shapes=[tuple(p.ds_shape) for p in params], layout=s.layout,
+                master=unit.master_view(s), optimizer_state={}, group_index=FROZEN))
+        return out
+
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         # list(): a delayed update's worker may be adding state entries meanwhile
         state = [t for st in list(self.optimizer.state.values()) for t in list(st.values())
@@ -134,17 +151,6 @@ class PartitionedDataParallel(BucketedStage):
         return {"parameters": full, where: shards,
                 "gradients": self.buckets.tensors(),
                 self.state_category: [u.master for u in self.units] + state}
-
-
-def _unpartition_frozen(module: nn.Module, comm: Communicator) -> None:
-    """Frozen parameters stay whole on every rank; undo zero.Init's partitioning of them."""
-    for p in module.parameters():
-        if p.requires_grad or not is_partitioned(p):
-            continue
-        chunk = p.ds_tensor.contiguous()
-        out = torch.empty(comm.world_size * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
-        comm.all_gather(out, chunk, label="frozen parameter")
-        unpartition(p, out[: p.ds_numel].to(p.dtype))
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -91,7 +91,7 @@ def build_units(root: nn.Module, *, unit_numel: int, persistence_threshold: int)
             pair = unit_of_module[root.get_submodule(parent)]
         unit_of_module[module] = pair
         for pname, p in module.named_parameters(recurse=False):
-            if id(p) in owner or not p.requires_grad:
+            if id(p) in owner:   # frozen parameters are partitioned too (no optimizer state)
                 continue
             small = full_numel(p) < persistence_threshold
             unit = pair[1] if small else pair[0]
@@ -103,8 +103,6 @@ def build_units(root: nn.Module, *, unit_numel: int, persistence_threshold: int)
         used = list(module.parameters(recurse=False))
         used += getattr(module, "_zerotrain_external_params", [])
         for p in used:
-            if not p.requires_grad:
-                continue
             unit = owner.get(id(p))
             if unit is None:
                 raise ValueError(f"module {names_of(root, module)!r} uses an external parameter "

@@ -169,7 +169,7 @@ class NvmeStorage(HostStorage):
         self._slots_wanted = max(2, slots)
         self._slots: Optional[queue.Queue] = None
         self._slot_numel = 0
-        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotrain-nvme")
+        self._io_pool: Optional[ThreadPoolExecutor] = None   # started by the first swap
         self._reads: dict[int, tuple[Future, torch.Tensor, list[_Home]]] = {}
         self._resident: dict[int, tuple[torch.Tensor, list[_Home]]] = {}
         self._writes: list[Future] = []
@@ -218,7 +218,7 @@ class NvmeStorage(HostStorage):
             return
         homes = [self.home_of(t) for t in tensors]
         slot = self._take_slot(sum(h.numel for h in homes))
-        self._reads[key] = (self._io.submit(self._read, slot, homes), slot, homes)
+        self._reads[key] = (self._io().submit(self._read, slot, homes), slot, homes)
 
     def swap_in(self, key: int) -> None:
         """Wait for ``key``'s read and point its tensors at the slot."""
@@ -235,7 +235,7 @@ class NvmeStorage(HostStorage):
         slot, homes = self._resident.pop(key)
         for home in homes:
             home.tensor.set_(home.storage, home.offset, (home.numel,))
-        self._writes.append(self._io.submit(self._write, slot, homes))
+        self._writes.append(self._io().submit(self._write, slot, homes))
 
     def drain(self) -> None:
         """Wait for every write: at rest, the maps now hold the newest values."""
@@ -270,13 +270,20 @@ class NvmeStorage(HostStorage):
         try:
             self.drain()
         finally:
-            self._io.shutdown(wait=True)
+            if self._io_pool is not None:
+                self._io_pool.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._remove_directory()
 
     # ------------------------------------------------------------------ helpers
+    def _io(self) -> ThreadPoolExecutor:
+        """Worker threads for reads and writes (parameter shards, mapped only, need none)."""
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerotrain-nvme")
+        return self._io_pool
+
     def _take_slot(self, numel: int) -> torch.Tensor:
         if numel > self._slot_numel:
             raise ValueError(f"record of {numel} elements exceeds the reserved slot size "

@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     plain = run(False, args.steps, corpus, args.micro_batch, args.lr)
     delayed = run(True, args.steps, corpus, args.micro_batch, args.lr)
     width = max(1, args.steps // args.windows)
-    print(f"\n| steps | train loss, no dpu | train loss, dpu | difference |")
+    print("\n| steps | train loss, no dpu | train loss, dpu | difference |")
     print("|---|---|---|---|")
     for start in range(0, args.steps, width):
         a = plain["losses"][start: start + width]

@@ -65,15 +65,6 @@ def partition(param: nn.Parameter, rank: int, world: int,
     param.data = empty_placeholder(param)
 
 
-def unpartition(param: nn.Parameter, full: torch.Tensor) -> None:
-    """Make ``param`` a plain full parameter again with value ``full``."""
-    shape = full_shape(param)
-    param.data = full.reshape(shape)
-    for attr in ("ds_shape", "ds_numel", "ds_tensor"):
-        if hasattr(param, attr):
-            delattr(param, attr)
-
-
 def fill_full(param: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
     """The full value from all ranks' chunks stacked as ``(world, chunk)`` (a view if possible)."""
     return chunks.reshape(-1)[: param.ds_numel].view(param.ds_shape)

@@ -33,7 +33,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
     (("errors",), ("config", "flat", "estimate")),
     # 2. process-level services
-    (("comm", "memory", "precision", "log"),),
+    (("comm", "memory", "precision", "log", "timers"),),
     # 3. building blocks of a stage
     (("buckets", "optim", "schedules", "dataloader", "offload"),),
     # 4. the ZeRO stages and what user code sees of them

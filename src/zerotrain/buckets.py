@@ -8,6 +8,15 @@ Note: launch order
     launched, in that order, by :meth:`GradientBuckets.finish`. A parameter that received no
     gradient on some rank contributes zeros; no rank ever skips a collective.
 
+    The order in which hooks fire is therefore never relied on. It can differ between
+    ranks: autograd runs each device's backward nodes on that device's own thread (CPU
+    nodes on the caller's), and the order among ready nodes follows how the graph was
+    built, so a CPU-side op, a host round trip or rank-dependent control flow reorders
+    gradient arrival. What must hold is only that every rank produces every block's
+    gradients before ``finish``; ``tests/dist/test_launch_order.py`` builds the graph in a
+    different order on each rank, with a host round trip in backward, and checks that the
+    sequence of collectives is the same on both.
+
 Three reductions share that machinery (the only difference between stages 0, 1 and 2 for
 gradients):
 

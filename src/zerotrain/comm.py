@@ -5,6 +5,21 @@ Every collective goes through a :class:`Communicator`, which records it in a
 ``all_reduce`` counts twice its tensor, ``reduce_scatter`` its input, ``all_gather`` its
 output, ``broadcast`` its tensor. Tests read the ledger to check the ZeRO volumes (2Ψ for
 stages 0-2) instead of trusting the design.
+
+Note: the training device
+    The device comes from the launcher, never from the backend's name: ``cuda:LOCAL_RANK``
+    (or the current CUDA device when ``LOCAL_RANK`` is unset) when CUDA is available and the
+    group has a CUDA backend other than gloo, else the CPU (:func:`select_device`). A group
+    made with ``init_process_group()`` and no backend, or with ``"cpu:gloo,cuda:nccl"``,
+    therefore trains on the GPU. :func:`init_distributed` calls ``set_device`` before the
+    group exists and passes ``device_id``, so NCCL binds each rank to its own GPU; for a
+    group the user created, ``initialize`` calls ``set_device`` itself.
+
+Note: collective devices
+    Every tensor handed to a collective must be on a device the group's backend serves, and
+    a CUDA tensor on the current device (NCCL would otherwise fail deep inside, or hang).
+    :class:`Communicator` checks this before each call; the check is a few comparisons, so
+    it is always on and every distributed test runs its collectives through it.
 """
 from __future__ import annotations
 
@@ -13,7 +28,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,24 +62,66 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     env_world = int(os.environ.get("WORLD_SIZE", world_size if world_size > 0 else 1))
     env_rank = int(os.environ.get("RANK", rank if rank >= 0 else 0))
-    if backend == "nccl" and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = select_device(_backend_map(backend))
+    extra: dict = {}
+    if device.type == "cuda":   # Note: the training device
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
     if init_method is None and "MASTER_ADDR" not in os.environ:
         if env_world != 1:
             raise RuntimeError(
                 f"WORLD_SIZE={env_world} but MASTER_ADDR is not set: launch with torchrun "
                 "(or zerotrain launch), which sets the rendezvous variables")
         store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout,
+                                **extra)
     elif init_method is None and "TORCHELASTIC_RESTART_COUNT" in os.environ:
         dist.init_process_group(backend, store=_elastic_store(env_rank, env_world, timeout),
-                                rank=env_rank, world_size=env_world, timeout=timeout)
+                                rank=env_rank, world_size=env_world, timeout=timeout, **extra)
     else:
         dist.init_process_group(backend, init_method=init_method, rank=env_rank,
-                                world_size=env_world, timeout=timeout)
+                                world_size=env_world, timeout=timeout, **extra)
     if verbose:
         logger.info("initialised %s process group: rank %d of %d", backend,
                     dist.get_rank(), dist.get_world_size())
+
+
+def group_backends(group: Optional[dist.ProcessGroup] = None) -> dict[str, str]:
+    """Which backend serves each device type in ``group``: ``{"cpu": "gloo", "cuda":
+    "nccl"}`` for ``"cpu:gloo,cuda:nccl"``, ``{"cuda": "nccl"}`` for ``"nccl"``."""
+    return _backend_map(str(dist.get_backend_config(group)))
+
+
+def _backend_map(backend: str) -> dict[str, str]:
+    """Parse a backend string (``"nccl"``, ``"cpu:gloo,cuda:nccl"``) into device -> name."""
+    backend = backend.lower()
+    if ":" not in backend:
+        if backend == "undefined":   # init_process_group() without a backend
+            return ({"cpu": "gloo", "cuda": "nccl"} if torch.cuda.is_available()
+                    else {"cpu": "gloo"})
+        devices = dist.Backend.backend_capability.get(backend, ["cpu"])
+        return {device: backend for device in devices}
+    pairs = (item.split(":", 1) for item in backend.split(",") if item.strip())
+    return {device.strip(): name.strip() for device, name in pairs}
+
+
+def select_device(backends: Mapping[str, str]) -> torch.device:
+    """The training device of this rank (Note: the training device).
+
+    ``backends`` maps device types to backend names (:func:`group_backends`). CUDA is used
+    when it is available and a backend other than gloo serves it (gloo reduces CUDA tensors
+    through the host, and not every collective); the index is ``LOCAL_RANK``, else the
+    current device. Raises RuntimeError when ``LOCAL_RANK`` names a GPU that does not exist.
+    """
+    if not torch.cuda.is_available() or backends.get("cuda", "gloo") == "gloo":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) if local is not None else torch.cuda.current_device()
+    if not 0 <= index < count:
+        raise RuntimeError(f"LOCAL_RANK={local} but this node has {count} CUDA device(s): "
+                           "start at most one process per GPU (torchrun --nproc_per_node)")
+    return torch.device("cuda", index)
 
 
 def _elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
@@ -126,18 +183,35 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.ledger = CommLedger()
         self.debug = debug
+        self.backends = group_backends(group)
 
     @property
     def device(self) -> torch.device:
-        """Where this group's tensors must be: the current GPU under NCCL, else the CPU
-        (offloaded state on the host is copied here before it is communicated)."""
-        if dist.get_backend(self.group) == "nccl":
+        """Where this group's tensors go: the current GPU when a CUDA backend other than
+        gloo serves the group, else the CPU (offloaded state on the host is copied here
+        before it is communicated)."""
+        if torch.cuda.is_available() and self.backends.get("cuda", "gloo") != "gloo":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def check_devices(self, op: str, label: str, *tensors: torch.Tensor) -> None:
+        """Raise CollectiveError unless every tensor is where this group can communicate it
+        (Note: collective devices)."""
+        for tensor in tensors:
+            device = tensor.device
+            served = device.type in self.backends
+            if served and device.type == "cuda":
+                served = device.index == torch.cuda.current_device()
+            if not served:
+                raise CollectiveError(
+                    f"rank {self.rank}: {op}{f' for {label}' if label else ''} got a tensor "
+                    f"on {device}, but this group ({_describe(self.backends)}) communicates "
+                    f"on {self.device}; move it there first")
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False,
                    label: str = ""):
         """In-place reduction of ``tensor`` over all ranks (``op``: sum, max, min, avg)."""
+        self.check_devices("all_reduce", label, tensor)
         self.ledger.record("all_reduce", tensor, factor=2)
         return self._call("all_reduce", tensor, label, async_op, lambda: dist.all_reduce(
             tensor, op=_reduce_op(op), group=self.group, async_op=async_op))
@@ -148,6 +222,7 @@ class Communicator:
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter input has {input.numel()} elements, expected "
                              f"{self.world_size} x {output.numel()}")
+        self.check_devices("reduce_scatter", label, output, input)
         self.ledger.record("reduce_scatter", input)
         return self._call("reduce_scatter", input, label, async_op, lambda: _reduce_scatter(
             output, input, group=self.group, async_op=async_op))
@@ -158,6 +233,7 @@ class Communicator:
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(f"all_gather output has {output.numel()} elements, expected "
                              f"{self.world_size} x {input.numel()}")
+        self.check_devices("all_gather", label, output, input)
         self.ledger.record("all_gather", output)
         return self._call("all_gather", output, label, async_op, lambda: _all_gather(
             output, input, group=self.group, async_op=async_op))
@@ -165,6 +241,7 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, async_op: bool = False,
                   label: str = ""):
         """Overwrite ``tensor`` on every rank with rank ``src``'s (a global rank)."""
+        self.check_devices("broadcast", label, tensor)
         self.ledger.record("broadcast", tensor)
         return self._call("broadcast", tensor, label, async_op, lambda: dist.broadcast(
             tensor, src=src, group=self.group, async_op=async_op))
@@ -212,6 +289,10 @@ class _DescribedWork:
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+def _describe(backends: Mapping[str, str]) -> str:
+    return ",".join(f"{device}:{name}" for device, name in backends.items())
 
 
 def _reduce_op(name: str) -> dist.ReduceOp:

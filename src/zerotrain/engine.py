@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections import defaultdict
 from typing import Any, Optional
 
 import torch
@@ -28,6 +26,7 @@ from .memory import StorageLedger
 from .optim import ZeroOptimizer
 from .precision import LossScaler, PrecisionPolicy
 from .stages.base import Stage, StepOutcome
+from .timers import StepTimers
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +58,16 @@ class ZeroEngine(nn.Module):
         self._last_outcome: Optional[StepOutcome] = None
         self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
-        self._timers: dict[str, float] = defaultdict(float)
+        self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
     def forward(self, *args, **kwargs):
         """Run the module, casting floating inputs to the parameter dtype."""
-        start = time.perf_counter()
-        if self.policy.param_dtype != torch.float32:
-            args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
-        out = self.module(*args, **kwargs)
-        self._timers["forward"] += time.perf_counter() - start
-        return out
+        with self._timers.time("forward"):
+            if self.policy.param_dtype != torch.float32:
+                args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -82,27 +79,25 @@ class ZeroEngine(nn.Module):
         if not loss.requires_grad:
             raise StateError("backward() got a loss that does not require grad; was it "
                              "computed under torch.no_grad() or from a detached tensor?")
-        start = time.perf_counter()
-        scaled = loss
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.loss_scale
-        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
-        scaled.backward(retain_graph=retain_graph)
-        self.stage.finish_backward()
+        with self._timers.time("backward"):
+            scaled = loss
+            if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+                scaled = scaled / self.gradient_accumulation_steps()
+            if self.loss_scaler is not None:
+                scaled = scaled * self.loss_scaler.loss_scale
+            self.stage.begin_backward(self.is_gradient_accumulation_boundary())
+            scaled.backward(retain_graph=retain_graph)
+            self.stage.finish_backward()
         self._backward_in_window = True
-        self._timers["backward"] += time.perf_counter() - start
         return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
-        start = time.perf_counter()
-        if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs or {})
-        self.micro_steps += 1
-        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
-        self._timers["step"] += time.perf_counter() - start
+        with self._timers.time("step"):
+            if self.is_gradient_accumulation_boundary():
+                self._take_model_step(lr_kwargs or {})
+            self.micro_steps += 1
+            self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
         if not self._backward_in_window:
@@ -176,11 +171,11 @@ class ZeroEngine(nn.Module):
                         {k: round(v * 1e3, 2) for k, v in self.timing_breakdown().items()})
 
     def timing_breakdown(self) -> dict[str, float]:
-        """Seconds spent since the last call: forward, backward, step and, when offloading,
+        """Seconds spent since the last call: forward, backward, step (device time from CUDA
+        events on a GPU, Note in ``timers.py``) and, when offloading,
         the parts of the host step (docs/offload.md); counting starts afresh."""
-        times = dict(self._timers)
+        times = self._timers.take()
         times.update(self.stage.take_timings())
-        self._timers.clear()
         return times
 
     def zero_grad(self) -> None:

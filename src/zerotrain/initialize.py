@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpointing
-from .comm import DEFAULT_TIMEOUT, Communicator, init_distributed
+from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
+                   select_device)
 from .config import ZeroTrainConfig, load_config, read_config_dict
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine
@@ -76,13 +77,13 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     init_distributed(distributed_port=distributed_port, verbose=False,
                      timeout=_comms_timeout(source))
     cfg = load_config(source, world_size=dist.get_world_size())
+    device = _device()   # before the communicator: it reads the current CUDA device
     comm = Communicator(debug=cfg.debug)
     policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype)
     _check_sections(cfg, optimizer, lr_scheduler)
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         checkpointing.configure(None, deepspeed_config=cfg)
 
-    device = _device()
     model = _place_module(model, device, policy.param_dtype)
     check_same_across_ranks(comm, fingerprint(model, cfg))
     if comm.world_size > 1:  # partitioned parameters were broadcast by zero.Init
@@ -158,9 +159,12 @@ def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
 
 
 def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This rank's training device (Note: the training device, in ``comm.py``); a group the
+    user created without ``set_device`` would leave every rank on ``cuda:0``, so set it."""
+    device = select_device(group_backends())
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+    return device
 
 
 def _place_module(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

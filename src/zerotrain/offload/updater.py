@@ -32,6 +32,7 @@ Note: delayed parameter update
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -42,6 +43,7 @@ import torch
 
 from ..errors import ConfigError
 from .storage import HostStorage, Storage
+from .threads import available_cores, host_step_threads, step_alone, threads
 
 _ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
@@ -102,6 +104,9 @@ class HostUpdater:
         self._homes: dict[int, dict[str, torch.Tensor]] = {}   # NVMe: each master's state
         self._ready: list[Optional[torch.cuda.Event]] = [None, None]  # staging copies landed
         self._lock = threading.Lock()
+        self._group_of: dict[int, int] = {}   # id(master) -> its optimizer group
+        self._groups_key: tuple = ()
+        self.threads = host_step_threads(os.environ, available_cores())  # Note in threads.py
         # seconds spent, by part, since the last ``take_timings`` (Note "where the time goes")
         self.timings: dict[str, float] = defaultdict(float)
 
@@ -175,7 +180,8 @@ class HostUpdater:
     def _run(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
              publish: Optional[Callable[[int], None]]) -> None:
         try:
-            self._run_records(masters, grads, publish)
+            with threads(self.threads):
+                self._run_records(masters, grads, publish)
         except BaseException:
             self.storage.abort()   # every tensor back home, no slot lost; the step failed
             raise
@@ -199,7 +205,7 @@ class HostUpdater:
                 self.storage.swap_in(k)
             with self._timed("offload_cpu_adam"):
                 master.grad = grad.view(master.shape)
-                self.optimizer.step()
+                step_alone(self.optimizer, self._group_index(master), master)
                 master.grad = None
             if publish is not None:
                 with self._timed("offload_publish"):
@@ -207,6 +213,16 @@ class HostUpdater:
             self.storage.swap_out(k)
         with self._timed("offload_nvme_write_wait"):
             self.storage.drain()
+
+    def _group_index(self, master: torch.Tensor) -> int:
+        """The optimizer group of ``master`` (the map is rebuilt when the groups change,
+        as after ``load_state_dict``; checking costs one look per group, not per tensor)."""
+        key = tuple(id(group["params"]) for group in self.optimizer.param_groups)
+        if key != self._groups_key or id(master) not in self._group_of:
+            self._group_of = {id(p): g for g, group in enumerate(self.optimizer.param_groups)
+                              for p in group["params"]}
+            self._groups_key = key
+        return self._group_of[id(master)]
 
     def _prefetch(self, masters: Sequence[torch.Tensor], k: int) -> None:
         if not self.storage.swaps:

@@ -31,7 +31,7 @@ PACKAGE = "zerotrain"
 # Add a new module here, in one place.
 ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
-    (("errors",), ("config", "flat", "estimate")),
+    (("errors",), ("config", "flat", "estimate", "topology")),
     # 2. process-level services
     (("comm", "memory", "precision", "log", "timers"),),
     # 3. building blocks of a stage

@@ -3,8 +3,8 @@
 Every collective goes through a :class:`Communicator`, which records it in a
 :class:`CommLedger`. The ledger counts what each call puts on the wire by the usual rule:
 ``all_reduce`` counts twice its tensor, ``reduce_scatter`` its input, ``all_gather`` its
-output, ``broadcast`` its tensor. Tests read the ledger to check the ZeRO volumes (2Ψ for
-stages 0-2) instead of trusting the design.
+output, ``broadcast`` and ``all_to_all`` their input. Tests read the ledger to check the ZeRO
+volumes (2Ψ for stages 0-2) instead of trusting the design.
 
 Note: the training device
     The device comes from the launcher, never from the backend's name: ``cuda:LOCAL_RANK``
@@ -20,6 +20,14 @@ Note: collective devices
     a CUDA tensor on the current device (NCCL would otherwise fail deep inside, or hang).
     :class:`Communicator` checks this before each call; the check is a few comparisons, so
     it is always on and every distributed test runs its collectives through it.
+
+Note: intra-node and cross-node bytes
+    Each communicator knows the nodes of its members (``topology.py``). A collective over a
+    group whose members all share a node is counted as ``intra_node`` bytes; one over a
+    group spanning nodes as ``cross_node`` bytes, whole: in a ring over several nodes every
+    element passes the links between nodes, so the counted volume is what the slow network
+    carries. Hierarchical schemes (hpZ, MiCS, quantized gradients) win by running part of
+    their traffic on node groups and shrinking what the cross-node groups carry.
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+
+from .topology import Partition, Topology, group_of, local_node_entry
 
 logger = logging.getLogger(__name__)
 
@@ -140,18 +150,26 @@ def _elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
     return dist.PrefixStore(f"/zerotrain/attempt_{attempt}/", base)
 
 
+REACHES = ("intra_node", "cross_node")
+
+
 @dataclass
 class CommLedger:
-    """Counts collectives and the elements/bytes they move, per operation name."""
+    """Counts collectives and the elements/bytes they move, per operation name; bytes are
+    also split by reach (Note: intra-node and cross-node bytes)."""
 
     calls: Counter = field(default_factory=Counter)
     elements: Counter = field(default_factory=Counter)
     nbytes: Counter = field(default_factory=Counter)
+    by_reach: dict = field(default_factory=lambda: {r: Counter() for r in REACHES})
 
-    def record(self, op: str, tensor: torch.Tensor, factor: int = 1) -> None:
+    def record(self, op: str, tensor: torch.Tensor, factor: int = 1,
+               reach: str = "intra_node") -> None:
+        nbytes = factor * tensor.numel() * tensor.element_size()
         self.calls[op] += 1
         self.elements[op] += factor * tensor.numel()
-        self.nbytes[op] += factor * tensor.numel() * tensor.element_size()
+        self.nbytes[op] += nbytes
+        self.by_reach[reach][op] += nbytes
 
     def total_elements(self) -> int:
         return sum(self.elements.values())
@@ -159,14 +177,26 @@ class CommLedger:
     def total_bytes(self) -> int:
         return sum(self.nbytes.values())
 
+    def reach_bytes(self, reach: str) -> int:
+        """Bytes of every operation over groups of that reach (intra_node, cross_node)."""
+        return sum(self.by_reach[reach].values())
+
     def reset(self) -> None:
         self.calls.clear()
         self.elements.clear()
         self.nbytes.clear()
+        for counter in self.by_reach.values():
+            counter.clear()
 
     def snapshot(self) -> dict:
         return {"calls": dict(self.calls), "elements": dict(self.elements),
-                "bytes": dict(self.nbytes)}
+                "bytes": dict(self.nbytes),
+                **{f"{r}_bytes": dict(self.by_reach[r]) for r in REACHES}}
+
+
+# Process groups are costly to create and never freed by torch before shutdown: each
+# partition gets its group once per process (keyed by the default group it was made from).
+_SUBGROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
 class Communicator:
@@ -177,13 +207,51 @@ class Communicator:
     is read; otherwise they return None.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, debug: bool = False) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, debug: bool = False,
+                 topology: Optional[Topology] = None,
+                 ledger: Optional[CommLedger] = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.ledger = CommLedger()
+        self.ledger = CommLedger() if ledger is None else ledger
         self.debug = debug
         self.backends = group_backends(group)
+        self.ranks: tuple[int, ...] = (tuple(dist.get_process_group_ranks(group))
+                                       if group is not None else tuple(range(self.world_size)))
+        self.topology = topology or Topology.single_node(dist.get_rank(),
+                                                         dist.get_world_size())
+        self.reach = "cross_node" if self.topology.spans_nodes(self.ranks) else "intra_node"
+
+    # ------------------------------------------------------------------ topology
+    def discover_topology(self) -> Topology:
+        """Every rank's node from torchrun's environment (``topology.py``), exchanged once.
+
+        Collective over the default group: every rank calls it; all get the same result.
+        """
+        if self.group is not None:
+            raise ValueError("discover_topology runs on the default (world) group")
+        entry = local_node_entry(self.rank, self.world_size)
+        entries = self.all_gather_object(entry) if self.world_size > 1 else [entry]
+        return Topology.from_entries(self.rank, [tuple(e) for e in entries])
+
+    def with_topology(self, topology: Topology) -> "Communicator":
+        """This group again, its bytes classified by ``topology``, into the same ledger."""
+        return Communicator(self.group, debug=self.debug, topology=topology,
+                            ledger=self.ledger)
+
+    def subgroup(self, partition: Partition) -> "Communicator":
+        """The group of ``partition`` (global rank lists) holding this rank, recording into
+        this communicator's ledger. Collective over the default group the first time a
+        partition is asked for (every rank must ask for the same partitions in the same
+        order); created once per process and reused after."""
+        key = (id(dist.group.WORLD), tuple(tuple(ranks) for ranks in partition))
+        group_of(key[1], dist.get_rank())   # raises if the partition misses this rank
+        group = _SUBGROUPS.get(key)
+        if group is None:
+            group, _ = dist.new_subgroups_by_enumeration([list(r) for r in key[1]])
+            _SUBGROUPS[key] = group
+        return Communicator(group, debug=self.debug, topology=self.topology,
+                            ledger=self.ledger)
 
     @property
     def device(self) -> torch.device:
@@ -212,7 +280,7 @@ class Communicator:
                    label: str = ""):
         """In-place reduction of ``tensor`` over all ranks (``op``: sum, max, min, avg)."""
         self.check_devices("all_reduce", label, tensor)
-        self.ledger.record("all_reduce", tensor, factor=2)
+        self.ledger.record("all_reduce", tensor, factor=2, reach=self.reach)
         return self._call("all_reduce", tensor, label, async_op, lambda: dist.all_reduce(
             tensor, op=_reduce_op(op), group=self.group, async_op=async_op))
 
@@ -223,7 +291,7 @@ class Communicator:
             raise ValueError(f"reduce_scatter input has {input.numel()} elements, expected "
                              f"{self.world_size} x {output.numel()}")
         self.check_devices("reduce_scatter", label, output, input)
-        self.ledger.record("reduce_scatter", input)
+        self.ledger.record("reduce_scatter", input, reach=self.reach)
         return self._call("reduce_scatter", input, label, async_op, lambda: _reduce_scatter(
             output, input, group=self.group, async_op=async_op))
 
@@ -234,7 +302,7 @@ class Communicator:
             raise ValueError(f"all_gather output has {output.numel()} elements, expected "
                              f"{self.world_size} x {input.numel()}")
         self.check_devices("all_gather", label, output, input)
-        self.ledger.record("all_gather", output)
+        self.ledger.record("all_gather", output, reach=self.reach)
         return self._call("all_gather", output, label, async_op, lambda: _all_gather(
             output, input, group=self.group, async_op=async_op))
 
@@ -242,9 +310,21 @@ class Communicator:
                   label: str = ""):
         """Overwrite ``tensor`` on every rank with rank ``src``'s (a global rank)."""
         self.check_devices("broadcast", label, tensor)
-        self.ledger.record("broadcast", tensor)
+        self.ledger.record("broadcast", tensor, reach=self.reach)
         return self._call("broadcast", tensor, label, async_op, lambda: dist.broadcast(
             tensor, src=src, group=self.group, async_op=async_op))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                   label: str = ""):
+        """Rank r's ``input`` is cut into ``world`` equal parts; part j goes to rank j, which
+        stores it as part r of its ``output`` (same sizes)."""
+        if input.numel() != output.numel() or input.numel() % self.world_size:
+            raise ValueError(f"all_to_all needs equal input and output sizes divisible by "
+                             f"{self.world_size}, got {input.numel()} and {output.numel()}")
+        self.check_devices("all_to_all", label, output, input)
+        self.ledger.record("all_to_all", input, reach=self.reach)
+        return self._call("all_to_all", input, label, async_op, lambda: dist.all_to_all_single(
+            output, input, group=self.group, async_op=async_op))
 
     def _call(self, op: str, tensor: torch.Tensor, label: str, async_op: bool, launch):
         """Run a collective; with ``debug``, log it and name it in any error."""

@@ -59,6 +59,7 @@ class ZeroEngine(nn.Module):
         self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
+        self._comm_mark = (self.global_steps, _reach_totals(comm.ledger))
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -239,6 +240,21 @@ class ZeroEngine(nn.Module):
         ledger.add("buffers", list(self.module.buffers()))
         return dict(ledger.bytes)
 
+    def communication_breakdown(self) -> dict[str, Any]:
+        """Bytes this rank's collectives carried since the last call, by reach and operation:
+        ``{"steps": optimizer steps in the window, "intra_node": {op: bytes}, "cross_node":
+        {op: bytes}}``. A group spanning nodes counts as cross-node (Note: intra-node and
+        cross-node bytes in ``comm.py``); nodes come from torchrun's ``LOCAL_WORLD_SIZE``
+        and ``GROUP_RANK``. Counting starts afresh after each call."""
+        steps, before = self._comm_mark
+        now = _reach_totals(self.comm.ledger)
+        self._comm_mark = (self.global_steps, now)
+        out: dict[str, Any] = {"steps": self.global_steps - steps}
+        for reach, totals in now.items():
+            diff = {op: n - before[reach].get(op, 0) for op, n in totals.items()}
+            out[reach] = {op: n for op, n in diff.items() if n}
+        return out
+
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""
         try:
@@ -324,6 +340,10 @@ class ZeroEngine(nn.Module):
         self._last_outcome = None
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
         return result.path, result.client_state
+
+
+def _reach_totals(ledger) -> dict[str, dict[str, int]]:
+    return {reach: dict(counter) for reach, counter in ledger.by_reach.items()}
 
 
 def _local_rank() -> int:

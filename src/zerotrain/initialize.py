@@ -4,7 +4,8 @@ The order matters and is written down here:
 1. the process group (``init_distributed``), because the batch-size triangle needs the world
    size;
 2. the config, validated the same way on every rank, before any collective (an
-   ``activation_checkpointing`` section configures ``zerotrain.checkpointing``);
+   ``activation_checkpointing`` section configures ``zerotrain.checkpointing``), then the
+   node layout (``topology.py``), exchanged once so the ledger can tell cross-node bytes;
 3. the module on its device and dtype;
 4. a fingerprint exchange, so ranks that disagree fail with a message instead of a hang;
 5. rank 0's parameters broadcast, so every rank starts from the same weights;

@@ -31,20 +31,22 @@ PACKAGE = "zerotrain"
 # Add a new module here, in one place.
 ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
-    (("errors",), ("config", "flat", "estimate", "topology")),
+    (("errors",), ("config", "flat", "estimate", "topology", "unsupported"), ("moe", "pipe")),
     # 2. process-level services
-    (("comm", "memory", "precision", "log", "timers"),),
+    (("comm", "memory", "precision", "log", "timers", "accelerator"),),
     # 3. building blocks of a stage
-    (("buckets", "optim", "schedules", "dataloader", "offload"),),
+    (("buckets", "optim", "schedules", "dataloader", "offload", "ops"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("zero3", "checkpointing"), ("zero", "factory")),
-    # 5. persistence
-    (("checkpoint",), ("export",)),
+    # 5. persistence, and DeepSpeed's helpers over it
+    (("checkpoint",), ("export",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine",), ("initialize",), ("__init__", "cli", "launch", "demo"), ("integrations",)),
+    (("engine",), ("initialize",), ("__init__", "cli", "launch", "demo", "__main__"),
+     ("integrations", "as_deepspeed")),
 )
 # Tiers whose members may import one another (entry points).
-PEER_TIERS: frozenset[tuple[str, ...]] = frozenset({("__init__", "cli", "launch", "demo")})
+PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
+    {("__init__", "cli", "launch", "demo", "__main__")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config"})

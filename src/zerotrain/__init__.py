@@ -5,7 +5,8 @@ zerotrain.initialize(model=..., model_parameters=..., config=...)``.
 """
 from __future__ import annotations
 
-from . import checkpointing, zero
+from . import accelerator, checkpointing, comm, moe, ops, pipe, utils, zero
+from .accelerator import get_accelerator
 from .comm import init_distributed
 from .dataloader import RepeatingLoader
 from .engine import ZeroEngine
@@ -13,6 +14,7 @@ from .errors import ConfigError, NonFiniteGradientError, RankMismatchError, Zero
 from .initialize import add_config_arguments, initialize
 from .log import setup_logger
 from .memory import see_memory_usage
+from .utils import log_dist, logger
 
 __version__ = "0.1.0"
 
@@ -23,6 +25,8 @@ setup_logger()
 
 __all__ = [
     "ConfigError", "DeepSpeedEngine", "NonFiniteGradientError", "RankMismatchError",
-    "RepeatingLoader", "ZeroEngine", "ZeroTrainError", "__version__", "add_config_arguments",
-    "checkpointing", "init_distributed", "initialize", "see_memory_usage", "zero",
+    "RepeatingLoader", "ZeroEngine", "ZeroTrainError", "__version__", "accelerator",
+    "add_config_arguments", "checkpointing", "comm", "get_accelerator", "init_distributed",
+    "initialize", "log_dist", "logger", "moe", "ops", "pipe", "see_memory_usage", "utils",
+    "zero",
 ]

@@ -3,6 +3,9 @@
     zerotrain estimate --params 7B --gpus 8 [--gpu-memory 80GB]   memory per GPU at each stage
     zerotrain demo [--stage 3] [--nproc 2]                        train a small GPT on CPUs
     zerotrain launch [torchrun options] script.py [args]          torchrun, under our name
+    zerotrain launch --as-deepspeed [torchrun options] script.py   ... an unmodified DeepSpeed
+                                                                  script (`deepspeed` imports
+                                                                  resolve to zerotrain)
     zerotrain consolidate CHECKPOINT_DIR OUTPUT_DIR [--tag T]      sharded checkpoint -> files
 
 ``launch`` hands everything to torchrun (``torch.distributed.run``), multi-node rendezvous
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     sub.add_parser("launch", add_help=False,
                    help="run a training script under torchrun (all torchrun options, plus "
-                   "--auto-resume DIR to continue from DIR's latest checkpoint after a restart)")
+                   "--auto-resume DIR to continue from DIR's latest checkpoint after a restart, "
+                   "and --as-deepspeed to run an unmodified DeepSpeed script)")
     sub.add_parser("consolidate", add_help=False,
                    help="turn a sharded checkpoint into safetensors files: "
                    "CHECKPOINT_DIR OUTPUT_DIR [--tag T] [--max-shard-size 5GB]")
@@ -162,9 +166,37 @@ def _launch(argv: list[str]) -> int:
             return 2
         os.environ["ZEROTRAIN_AUTO_RESUME"] = argv[at + 1]  # read by initialize()
         argv = argv[:at] + argv[at + 2:]
+    if "--as-deepspeed" in argv:
+        argv = _as_deepspeed(argv)
+        if argv is None:
+            return 2
     from torch.distributed.run import main as torchrun
     torchrun(argv)
     return 0
+
+
+def _as_deepspeed(argv: list[str]) -> Optional[list[str]]:
+    """torchrun arguments that run the script through ``zerotrain.as_deepspeed``, which
+    makes ``deepspeed`` imports resolve to zerotrain in each worker and, like DeepSpeed's
+    launcher, passes ``--local_rank`` (unless ``--no_local_rank`` is given)."""
+    from torch.distributed.run import get_args_parser
+
+    options = [a for a in argv if a not in ("--as-deepspeed", "--no_local_rank")]
+    runner = ["--no_local_rank"] if "--no_local_rank" in argv else []
+    try:
+        parsed = get_args_parser().parse_args(options)
+    except SystemExit:
+        return None
+    if parsed.no_python:
+        print("zerotrain launch: --as-deepspeed runs a Python script; it cannot be combined "
+              "with --no-python", file=sys.stderr)
+        return None
+    at = len(options) - len(parsed.training_script_args) - 1
+    torchrun_options = [a for a in options[:at] if a not in ("-m", "--module")]
+    if parsed.module:
+        runner.append("-m")
+    return torchrun_options + ["-m", "zerotrain.as_deepspeed", *runner, parsed.training_script,
+                               *parsed.training_script_args]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

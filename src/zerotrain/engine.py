@@ -297,8 +297,10 @@ class ZeroEngine(nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, save_latest: bool = True) -> bool:
-        """Write checkpoint ``tag`` (default ``global_step<N>``) under ``save_dir``, as
-        DeepSpeed does. Collective: every rank calls it. ``client_state`` must be JSON.
+        """Write checkpoint ``tag`` (default ``global_step<N>``; other values are named by
+        ``str(tag)``, as in DeepSpeed) under ``save_dir``. Collective: every rank calls it.
+        ``client_state``: JSON values, tensors, numpy arrays, tuples and
+        ``argparse.Namespace`` (docs/checkpoints.md); nothing is pickled.
 
         Gradients accumulated in an unfinished accumulation window are not saved; save
         after ``step()`` at a boundary for an exact resume.
@@ -308,8 +310,8 @@ class ZeroEngine(nn.Module):
                            "the gradients accumulated so far are not saved", self.micro_steps)
         self.settle()
         self.last_checkpoint_report = checkpoint.save_checkpoint(
-            self._training_state(), save_dir, tag=tag, client_state=client_state,
-            save_latest=save_latest)
+            self._training_state(), save_dir, tag=None if tag is None else str(tag),
+            client_state=client_state, save_latest=save_latest)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
@@ -325,7 +327,7 @@ class ZeroEngine(nn.Module):
                            "loading strictly")
         self.settle()
         result = checkpoint.load_checkpoint(
-            self._training_state(), load_dir, tag=tag,
+            self._training_state(), load_dir, tag=None if tag is None else str(tag),
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only)

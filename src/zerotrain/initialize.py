@@ -36,6 +36,7 @@ from .errors import ConfigError, RankMismatchError
 from .optim import build_optimizer, param_groups_from, retarget_optimizer
 from .precision import PrecisionPolicy
 from .schedules import build_scheduler
+from .utils import register_engine
 from .factory import build_stage
 from .zero3.partition import full_shape, is_partitioned
 
@@ -43,16 +44,21 @@ logger = logging.getLogger(__name__)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's ``--deepspeed``, ``--deepspeed_config`` arguments to ``parser``."""
-    group = parser.add_argument_group("zerotrain", "zerotrain configuration")
+    """Add exactly DeepSpeed's arguments: ``--deepspeed``, ``--deepspeed_config`` and the
+    deprecated ``--deepscale``, ``--deepscale_config``.
+
+    No ``--local_rank``: scripts written for DeepSpeed define it themselves, and adding it
+    again would make argparse fail; the engine reads the local rank from ``LOCAL_RANK``.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="enable zerotrain (accepted for DeepSpeed compatibility)")
+                       help="enable DeepSpeed (a flag for user code; zerotrain ignores it)")
     group.add_argument("--deepspeed_config", default=None, type=str,
-                       help="path to the DeepSpeed-format JSON config")
-    group.add_argument("--zerotrain_config", dest="deepspeed_config", default=None, type=str,
-                       help="alias of --deepspeed_config")
-    group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                       help="set by launchers; read from LOCAL_RANK otherwise")
+                       help="DeepSpeed-format JSON configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="deprecated spelling of --deepspeed_config")
     return parser
 
 
@@ -111,6 +117,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                                    collate_fn=collate_fn)
     engine = ZeroEngine(model, config=cfg, comm=comm, stage=stage, policy=policy,
                         lr_scheduler=scheduler, training_dataloader=loader)
+    register_engine(engine, model.parameters())   # for zerotrain.utils.safe_get_full_*
     _auto_resume(engine, cfg)
     return engine, engine.optimizer, loader, scheduler
 

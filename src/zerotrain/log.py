@@ -8,10 +8,13 @@ from __future__ import annotations
 import logging
 import os
 
+ALL_RANKS = "zerotrain_all_ranks"   # a record with this attribute set logs on every rank
+
 
 class _RankZeroFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or os.environ.get("RANK", "0") == "0"
+        return (record.levelno >= logging.WARNING or os.environ.get("RANK", "0") == "0"
+                or getattr(record, ALL_RANKS, False))
 
 
 def setup_logger() -> logging.Logger:

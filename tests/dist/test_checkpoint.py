@@ -339,7 +339,7 @@ def _error_job(rank, world, root):
     out["extra"] = _expect_error(lambda: _engine(R.engine_config(stage=0), model=ExtrasNet())[0]
                                  .load_checkpoint(good))
     out["client"] = _expect_error(lambda: engine.save_checkpoint(
-        good, tag="bad", client_state={"meta": {"t": torch.zeros(1)}}))
+        good, tag="bad", client_state={"meta": {"t": object()}}))
     out["no_tag"] = _expect_error(lambda: engine.load_checkpoint(good, tag="global_step9"))
     out["no_dir"] = engine.load_checkpoint(os.path.join(root, "absent"))
     out["no_pickle"] = _load_without_pickle(good)
@@ -373,6 +373,7 @@ def test_bad_checkpoints_raise_named_errors_on_every_rank(worlds, tmp_path):
         assert "'hidden.weight'" in out["wider"] and "(30, 13)" in out["wider"], out["wider"]
         assert "'frozen'" in out["extra"], out["extra"]
         assert "client_state['meta']['t']" in out["client"], out["client"]
+        assert "torch tensors" in out["client"], out["client"]  # lists what is supported
         assert "global_step9" in out["no_tag"], out["no_tag"]
         assert out["no_dir"] == (None, None)
         assert out["no_pickle"] and out["alive"]

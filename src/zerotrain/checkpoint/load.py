@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ..stages.base import FROZEN
-from . import fs, rng
+from . import client_state, fs, rng
 from .manifest import CheckpointError, read_manifest
 from .match import check_groups, check_model
 from .reshard import SourceIndex, target_range
@@ -54,6 +54,7 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
         check_groups(manifest, state.optimizer.param_groups, path)
     failure: Optional[BaseException] = None
     rng_state = None
+    saved_client: dict = {}
     report = CheckpointReport(path=path)
     with Reader(path) as reader:
         try:
@@ -65,6 +66,7 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
                                       bytes_read=reader.bytes_read)
             if not load_module_only:
                 rng_state = _read_rng(manifest, reader, state.comm)
+            saved_client = client_state.load(manifest, path)
         except Exception as exc:  # noqa: BLE001 - re-raised after every rank agrees
             failure = exc
         report.files_opened = reader.files_opened
@@ -80,7 +82,7 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     report.seconds = time.perf_counter() - start
     logger.info("loaded checkpoint %s in %.3f s (%d bytes of shards read on rank 0)", path,
                 report.seconds, report.bytes_read)
-    return LoadResult(path, manifest.get("client_state") or {}, counters, report)
+    return LoadResult(path, saved_client, counters, report)
 
 
 def _resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import client_state as client
 from . import fs, rng
 from .manifest import (FORMAT, MANIFEST_NAME, MODULE_FILE, VERSION, CheckpointError,
                        check_tag, to_json)
@@ -40,7 +41,8 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
     """Write checkpoint ``tag`` (default ``global_step<N>``) under ``save_dir``.
 
     Collective: every rank calls it with the same tag. ``client_state`` (rank 0's is
-    kept) must be JSON; anything else raises CheckpointError naming its key path.
+    kept) holds what ``client_state.py`` supports; anything else raises CheckpointError
+    naming its key path, on every rank, before anything is written.
     """
     start = time.perf_counter()
     comm = state.comm
@@ -48,12 +50,13 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
     records = state.stage.shard_records() + state.stage.frozen_records()
     local: dict[str, Any] = {"tag": tag, "error": None, "nonce": None, "records": []}
     small: dict = {}
+    client_tensors: dict[str, torch.Tensor] = {}
     try:
         check_tag(tag)
         local["records"] = [_record_meta(r) for r in records]
         for record in records:
             shard_rank(record.layout, comm)   # a layout checkpoints cannot map raises here
-        small = _small_state(state, client_state)
+        small, client_tensors = _small_state(state, client_state)
         if comm.rank == 0:
             fs.require_dir(save_dir)
             local["nonce"] = fs.new_nonce()
@@ -73,7 +76,7 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
     final: dict[str, Any] = {"error": None, "bytes": 0, "path": None}
     if comm.rank == 0:
         final = _finish_on_rank0(state, save_dir, tmp, tag, everyone, written, small,
-                                 save_latest)
+                                 client_tensors, save_latest)
     final = comm.all_gather_object(final)[0]
     if final["error"]:
         raise CheckpointError(final["error"])
@@ -104,7 +107,7 @@ def _structure(metas: list[dict]) -> list:
 
 def _finish_on_rank0(state: TrainingState, save_dir: str, tmp: str, tag: str,
                      everyone: list[dict], written: list[dict], small: dict,
-                     save_latest: bool) -> dict:
+                     client_tensors: dict[str, torch.Tensor], save_latest: bool) -> dict:
     errors = [w["error"] for w in written if w["error"]]
     if errors:
         fs.remove_quietly(tmp)
@@ -113,6 +116,9 @@ def _finish_on_rank0(state: TrainingState, save_dir: str, tmp: str, tag: str,
         sizes = {rank_file(r): w["size"] for r, w in enumerate(written)}
         frozen, buffers, sizes[MODULE_FILE] = _write_module_file(tmp, state.module,
                                                                  everyone[0]["records"])
+        if client_tensors:
+            sizes[client.FILE] = client.write(tmp, client_tensors)
+            small = {**small, "client_state_file": client.FILE}
         manifest = _manifest(state, tag, everyone[0]["records"], sizes, small)
         manifest.update(frozen=frozen, buffers=buffers)
         nbytes = _write_json(os.path.join(tmp, MANIFEST_NAME), manifest)
@@ -192,20 +198,22 @@ def _write_module_file(tmp: str, module: torch.nn.Module,
 
 
 # --------------------------------------------------------------------------- JSON state
-def _small_state(state: TrainingState, client_state: Optional[dict]) -> dict:
-    """Every non-tensor piece of state, as JSON (raises naming the first bad key)."""
+def _small_state(state: TrainingState,
+                 client_state: Optional[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Every small piece of state as JSON, and the client state's tensors (raises naming
+    the first bad key)."""
     groups = [to_json({k: v for k, v in g.items() if k != "params"},
                       f"optimizer.param_groups[{i}]", tensors_as_numbers=True)
               for i, g in enumerate(state.optimizer.param_groups)]
-    small = {"client_state": to_json({} if client_state is None else client_state,
-                                     "client_state"),
+    client_json, client_tensors = client.encode({} if client_state is None else client_state)
+    small = {"client_state": client_json,
              "optimizer": {"type": type(state.optimizer).__name__, "param_groups": groups}}
     for name in ("lr_scheduler", "loss_scaler", "data_loader"):
         owner = getattr(state, name)
         small[name] = (to_json(owner.state_dict(), name, tensors_as_numbers=True)
                        if owner is not None and hasattr(owner, "state_dict") else None)
     small["hf_config"] = _hf_config(state.module)
-    return small
+    return small, client_tensors
 
 
 def _hf_config(module: torch.nn.Module) -> Optional[dict]:

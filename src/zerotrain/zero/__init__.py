@@ -4,5 +4,6 @@
 the same user code runs at every stage.
 """
 from ..zero3.init import GatheredParameters, Init, register_external_parameter
+from ..zero3.partition import ZeroParamStatus
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter"]

@@ -171,6 +171,7 @@ class GatheredParameters:
             self.comm.all_gather(out, chunk.contiguous())
             p.data = P.fill_full(p, out).to(device=_compute_device(p), dtype=p.dtype).clone()
             self._gathered.append(p)
+        P.mark(self._gathered, P.ZeroParamStatus.AVAILABLE)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -188,6 +189,7 @@ class GatheredParameters:
                     master.copy_(chunk)
         for p in self._gathered:
             p.data = P.empty_placeholder(p)
+        P.mark(self._gathered, P.ZeroParamStatus.NOT_AVAILABLE)
         self._gathered.clear()
 
 

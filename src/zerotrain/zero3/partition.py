@@ -11,15 +11,38 @@ Note: parameter chunks
     it fails loudly instead of reading stale values) and the DeepSpeed attributes describe the
     full parameter: ``ds_shape``, ``ds_numel``, and ``ds_tensor`` (this rank's chunk).
     ``param.shape`` is therefore ``(0,)``: read full values inside
-    ``zero.GatheredParameters``.
+    ``zero.GatheredParameters``. Code written for DeepSpeed also finds ``ds_id`` (a number
+    unique in the process) and ``ds_status`` (a :class:`ZeroParamStatus`, kept current by
+    :func:`mark` at every gather and release).
 """
 from __future__ import annotations
 
+import enum
+import itertools
 import math
 from typing import Optional
 
 import torch
 from torch import nn
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``ds_status`` values: whether ``param.data`` holds the full value."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_ds_ids = itertools.count()   # DeepSpeed numbers partitioned parameters per process too
+
+
+def mark(params, status: ZeroParamStatus) -> None:
+    """Set ``ds_status`` of partitioned ``params`` (giving each a ``ds_id`` once)."""
+    for p in params:
+        if getattr(p, "ds_id", None) is None:
+            p.ds_id = next(_ds_ids)
+        p.ds_status = status
 
 
 def chunk_numel(numel: int, world: int) -> int:
@@ -63,6 +86,7 @@ def partition(param: nn.Parameter, rank: int, world: int,
     param.ds_numel = param.numel()
     param.ds_tensor = chunk if chunk is not None else chunk_of(param.data, rank, world)
     param.data = empty_placeholder(param)
+    mark([param], ZeroParamStatus.NOT_AVAILABLE)
 
 
 def fill_full(param: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:

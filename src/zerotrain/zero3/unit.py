@@ -73,6 +73,7 @@ class Unit:
         for p in spec.params:  # the unit's shard is the source of truth from now on
             p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
             p.data = P.empty_placeholder(p)
+        P.mark(spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
         self._attach()
         if spec.persistent:
             self.start_gather()
@@ -130,6 +131,7 @@ class Unit:
         work = self.comm.all_gather(out, shard, async_op=True,
                                     label=f"unit {self.spec.name or '<root>'}")
         self._pending = (work, out.view(world, self.shard_numel))
+        P.mark(self.spec.params, P.ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING
 
     def finish_gather(self) -> None:
@@ -152,6 +154,7 @@ class Unit:
                 s.layout.copy_block_into_full(cols, slot, views[i])
         for i, p in enumerate(self.spec.params):
             p.data = views[i]
+        P.mark(self.spec.params, P.ZeroParamStatus.AVAILABLE)
         self.state = UnitState.GATHERED
 
     def release(self) -> None:
@@ -164,6 +167,7 @@ class Unit:
             return
         for p in self.spec.params:
             p.data = P.empty_placeholder(p)
+        P.mark(self.spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
         self.full = None
         self.state = UnitState.RELEASED
 

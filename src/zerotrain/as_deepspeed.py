@@ -1,0 +1,192 @@
+"""Run an unmodified DeepSpeed script on zerotrain: ``deepspeed`` imports resolve here.
+
+    zerotrain launch --as-deepspeed --nproc_per_node 2 train.py --deepspeed_config ds.json
+    python -m zerotrain.as_deepspeed train.py ...        (one process, no launcher)
+    zerotrain.as_deepspeed.install()                     (in code, before `import deepspeed`)
+
+After :func:`install`, in this process only, ``import deepspeed``, ``import deepspeed.comm
+as dist``, ``from deepspeed.accelerator import get_accelerator``, ``from deepspeed.ops.adam
+import FusedAdam``... give zerotrain's implementations (:data:`ALIASES` lists every name).
+A ``deepspeed`` module zerotrain does not provide raises ``ModuleNotFoundError`` naming it;
+a missing attribute raises ``AttributeError`` naming it. The real DeepSpeed is never
+shadowed: when it is importable, :func:`install` refuses with :class:`DeepSpeedInstalledError`.
+
+Like DeepSpeed's launcher, the runner passes ``--local_rank=<LOCAL_RANK>`` to the script
+when a launcher set ``LOCAL_RANK`` (``--no_local_rank`` turns that off, as in DeepSpeed).
+
+Note: aliases, not copies
+    Each ``deepspeed.X`` is a small module object that forwards attribute reads to its
+    zerotrain module, so ``deepspeed.comm.get_rank is zerotrain.comm.get_rank`` and no
+    zerotrain module is ever loaded twice. Aliases (not the zerotrain modules themselves)
+    go into ``sys.modules``, because the import system sets each submodule as an attribute
+    of its parent: aliasing ``deepspeed.utils.logging`` straight to ``zerotrain.utils``
+    would overwrite the ``logging`` module inside ``zerotrain.utils``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import runpy
+import sys
+import types
+from typing import Optional, Sequence
+
+from .errors import ZeroTrainError
+
+__all__ = ["ALIASES", "DeepSpeedInstalledError", "install", "installed", "main", "uninstall"]
+
+# deepspeed module name -> zerotrain module it forwards to (None: a package of aliases only)
+ALIASES: dict[str, Optional[str]] = {
+    "deepspeed": "zerotrain",
+    "deepspeed.accelerator": "zerotrain.accelerator",
+    "deepspeed.comm": "zerotrain.comm",
+    "deepspeed.comm.comm": "zerotrain.comm",
+    "deepspeed.ops": "zerotrain.ops",
+    "deepspeed.ops.adam": "zerotrain.ops.adam",
+    "deepspeed.utils": "zerotrain.utils",
+    "deepspeed.utils.logging": "zerotrain.utils",
+    "deepspeed.utils.zero_to_fp32": "zerotrain.checkpoint.consolidate",
+    "deepspeed.zero": "zerotrain.zero",
+    "deepspeed.checkpointing": "zerotrain.checkpointing",
+    "deepspeed.moe": "zerotrain.moe",
+    "deepspeed.moe.layer": "zerotrain.moe.layer",
+    "deepspeed.moe.utils": "zerotrain.moe.utils",
+    "deepspeed.pipe": "zerotrain.pipe",
+    "deepspeed.runtime": None,
+    "deepspeed.runtime.engine": "zerotrain",
+    "deepspeed.runtime.zero": "zerotrain.zero",
+    "deepspeed.runtime.zero.partition_parameters": "zerotrain.zero",
+    "deepspeed.runtime.activation_checkpointing": None,
+    "deepspeed.runtime.activation_checkpointing.checkpointing": "zerotrain.checkpointing",
+    "deepspeed.runtime.lr_schedules": "zerotrain.schedules",
+    "deepspeed.runtime.dataloader": "zerotrain.dataloader",
+    "deepspeed.runtime.utils": "zerotrain.memory",
+    "deepspeed.runtime.pipe": "zerotrain.pipe",
+    "deepspeed.runtime.pipe.engine": "zerotrain.pipe",
+    "deepspeed.runtime.pipe.module": "zerotrain.pipe",
+}
+_GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
+
+
+class DeepSpeedInstalledError(ZeroTrainError, RuntimeError):
+    """The real DeepSpeed is importable; zerotrain will not hide it behind its own names."""
+
+
+class _Alias(types.ModuleType):
+    """``deepspeed.X``: attribute reads go to the zerotrain module (Note: aliases)."""
+
+    def __init__(self, name: str, target: Optional[str]) -> None:
+        super().__init__(name, f"zerotrain's stand-in for {name} (forwards to {target})")
+        self.__zerotrain_target__ = target
+
+    def __getattr__(self, attr: str):
+        child = f"{self.__name__}.{attr}"
+        if child in ALIASES:
+            return importlib.import_module(child)
+        target = self.__dict__.get("__zerotrain_target__")
+        if target is not None and not attr.startswith("__"):
+            try:
+                return getattr(importlib.import_module(target), attr)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{child} is not provided by zerotrain ({_GUIDE})")
+
+    def __dir__(self) -> list[str]:
+        target = self.__dict__.get("__zerotrain_target__")
+        names = set(super().__dir__())
+        if target is not None:
+            names |= set(dir(importlib.import_module(target)))
+        return sorted(names)
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers every ``deepspeed`` import while installed: an alias, or a clear error."""
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
+            return None
+        if fullname not in ALIASES:
+            raise ModuleNotFoundError(
+                f"{fullname} is not provided by zerotrain, which runs this script in place "
+                f"of DeepSpeed ({_GUIDE})", name=fullname)
+        return importlib.util.spec_from_loader(fullname, self, is_package=True)
+
+    def create_module(self, spec) -> types.ModuleType:
+        return _Alias(spec.name, ALIASES[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        target = ALIASES[module.__name__]
+        if target is not None:
+            importlib.import_module(target)   # import errors surface at the import line
+
+
+_FINDER = _Finder()
+
+
+def installed() -> bool:
+    return _FINDER in sys.meta_path
+
+
+def install() -> None:
+    """Make ``deepspeed`` imports resolve to zerotrain in this process.
+
+    Raises DeepSpeedInstalledError when the real DeepSpeed is importable (or imported).
+    """
+    if installed():
+        return
+    loaded = sys.modules.get("deepspeed")
+    if loaded is not None and not isinstance(loaded, _Alias):
+        raise DeepSpeedInstalledError(
+            f"DeepSpeed is already imported in this process (from "
+            f"{getattr(loaded, '__file__', '?')}); zerotrain will not replace it")
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        where = spec.origin or (list(spec.submodule_search_locations or []) or ["?"])[0]
+        raise DeepSpeedInstalledError(
+            f"the real DeepSpeed is importable in this environment ({where}); zerotrain will "
+            "not shadow it. Run the script where DeepSpeed is not installed, or change its "
+            "import to `import zerotrain as deepspeed`")
+    sys.meta_path.insert(0, _FINDER)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: remove the finder and every ``deepspeed`` alias module."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for name in [n for n, m in sys.modules.items() if isinstance(m, _Alias)]:
+        del sys.modules[name]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m zerotrain.as_deepspeed [--no_local_rank] (script.py | -m module) args``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    no_local_rank = bool(argv) and argv[0] == "--no_local_rank"
+    argv = argv[1:] if no_local_rank else argv
+    as_module = bool(argv) and argv[0] == "-m"
+    argv = argv[1:] if as_module else argv
+    if not argv:
+        print("usage: python -m zerotrain.as_deepspeed [--no_local_rank] "
+              "(script.py | -m module) [args...]", file=sys.stderr)
+        return 2
+    target, args = argv[0], argv[1:]
+    install()
+    if not no_local_rank and "LOCAL_RANK" in os.environ:
+        args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
+    if as_module:
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":  # run the imported module's main, so one finder exists
+    from zerotrain.as_deepspeed import main as _main
+    sys.exit(_main())

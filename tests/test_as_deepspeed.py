@@ -1,0 +1,115 @@
+"""An unmodified DeepSpeed script runs on zerotrain through the ``--as-deepspeed`` switch.
+
+``ds_scripts/train_ds.py`` is written for DeepSpeed (``import deepspeed``, its own
+``--local_rank``, ``deepspeed.comm``, ``get_accelerator``, a user-built ``FusedAdam``,
+``save_checkpoint(tag=int)`` with tensors and RNG states in ``client_state``). It runs on
+2 ranks at stages 1-3 (one launch, one engine per stage) and must end each with plain DDP's
+weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_scripts")
+STEPS = 4
+
+
+def _ddp_job(rank: int, world: int, steps: int) -> dict:
+    """The same training with torch's DistributedDataParallel and the same optimizer."""
+    sys.path.insert(0, SCRIPTS)
+    from toy import batch, build_model
+
+    from zerotrain.ops.adam import FusedAdam
+
+    model = torch.nn.parallel.DistributedDataParallel(build_model())
+    optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def test_unmodified_deepspeed_script_matches_ddp_at_stages_1_to_3(worlds, tmp_path):
+    ddp_weights = worlds.run(2, _ddp_job, STEPS)[0]
+    out_file = tmp_path / "out.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "zerotrain", "launch", "--as-deepspeed", "--standalone",
+         "--nproc_per_node", "2", os.path.join(SCRIPTS, "train_ds.py"), "--stage", "1", "2",
+         "3", "--steps", str(STEPS), "--save_dir", str(tmp_path / "ckpt"), "--out",
+         str(out_file)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(out_file.read_text())
+    assert sorted(results) == ["1", "2", "3"]
+    for stage, out in results.items():
+        _check_stage(int(stage), out, ddp_weights, tmp_path / "ckpt" / f"stage{stage}")
+
+
+def _check_stage(stage: int, out: dict, ddp_weights: dict, ckpt) -> None:
+    weights = {n: torch.tensor(v) for n, v in out["weights"].items()}
+    assert weights.keys() == ddp_weights.keys()
+    for name, value in weights.items():
+        assert torch.allclose(value, ddp_weights[name], atol=1e-6, rtol=0), (stage, name)
+    assert out["world"] == 2 and out["all_reduce"] == 3.0 and out["accelerator"] == "cpu"
+    assert out["local_rank_arg"] == 0   # passed by the launcher, as DeepSpeed's does
+    assert os.path.isdir(ckpt / "2")   # save_checkpoint(tag=2) -> "2"
+    assert out["client_step"] == 2 and out["client_marker"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert out["client_args_stages"] == [1, 2, 3] and out["resumed_step"] == 2
+    statuses = ["ZeroParamStatus.AVAILABLE"] if stage == 3 else ["None"]  # a tiny model
+    assert out["statuses"] == statuses   # stays gathered: under the persistence threshold
+
+
+def _run_switch(script: str, tmp_path, extra_path: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH", "")) if p)
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    return subprocess.run([sys.executable, "-m", "zerotrain.as_deepspeed", str(path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_switch_refuses_when_the_real_deepspeed_is_importable(tmp_path):
+    fake = tmp_path / "site" / "deepspeed"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    run = _run_switch("import deepspeed\nprint('ran')\n", tmp_path, str(tmp_path / "site"))
+    assert run.returncode != 0 and "ran" not in run.stdout
+    assert "DeepSpeedInstalledError" in run.stderr and "real DeepSpeed" in run.stderr
+    assert str(fake) in run.stderr
+
+
+def test_switch_names_what_is_missing_and_is_undone_by_uninstall():
+    from zerotrain import as_deepspeed
+
+    as_deepspeed.install()
+    try:
+        import deepspeed
+        import deepspeed.comm as dist
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        import zerotrain
+        assert dist.get_rank is zerotrain.comm.get_rank
+        assert DeepSpeedCPUAdam is zerotrain.ops.adam.DeepSpeedCPUAdam
+        assert ZeroParamStatus is zerotrain.zero.ZeroParamStatus
+        assert deepspeed.initialize is zerotrain.initialize
+        assert deepspeed.moe.layer.MoE.__name__ == "MoE"   # importable, refuses when used
+        with pytest.raises(ModuleNotFoundError, match="deepspeed.inference is not provided"):
+            import deepspeed.inference  # noqa: F401
+        with pytest.raises(AttributeError, match="deepspeed.init_inference is not provided"):
+            deepspeed.init_inference  # noqa: B018
+    finally:
+        as_deepspeed.uninstall()
+    assert "deepspeed" not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        import deepspeed  # noqa: F401,F811

@@ -307,11 +307,13 @@ class _Walk:
 
 
 def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None], *,
-                world_size: int) -> ZeroTrainConfig:
+                world_size: int, warn_unimplemented: bool = True) -> ZeroTrainConfig:
     """Validate ``config`` (a dict, a JSON file path, or None) for ``world_size`` ranks.
 
     Raises ConfigError for anything unusable; warns once (ZeroTrainConfigWarning) listing the
-    DeepSpeed keys that were accepted but are not implemented. The caller's dict is not changed.
+    DeepSpeed keys that were accepted but are not implemented, unless ``warn_unimplemented``
+    is false (``initialize`` warns itself, on rank 0, at the user's call). The caller's dict
+    is not changed.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError("", f"world_size must be an integer >= 1, got {world_size!r}")
@@ -328,11 +330,15 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
     _check_combinations(result, walk)
     result._raw = raw
     result._unimplemented = list(walk.unimplemented)
-    if walk.unimplemented:
-        warnings.warn("zerotrain accepts but does not implement these DeepSpeed config keys, so "
-                      "they have no effect: " + ", ".join(walk.unimplemented),
-                      ZeroTrainConfigWarning, stacklevel=2)
+    if walk.unimplemented and warn_unimplemented:
+        warnings.warn(unimplemented_message(walk.unimplemented), ZeroTrainConfigWarning,
+                      stacklevel=2)
     return result
+
+
+def unimplemented_message(keys: List[str]) -> str:
+    return ("zerotrain accepts but does not implement these DeepSpeed config keys, so they "
+            "have no effect: " + ", ".join(keys))
 
 
 def read_config_dict(config: Any) -> Dict[str, Any]:

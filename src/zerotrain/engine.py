@@ -22,6 +22,7 @@ from . import checkpoint, export
 from .comm import Communicator
 from .config import ZeroTrainConfig
 from .errors import ConfigError, NonFiniteGradientError, StateError
+from .lr_watch import SchedulerWatch
 from .memory import StorageLedger
 from .optim import ZeroOptimizer
 from .precision import LossScaler, PrecisionPolicy
@@ -45,6 +46,7 @@ class ZeroEngine(nn.Module):
         self.policy = policy
         self.optimizer = ZeroOptimizer(stage.optimizer)
         self.lr_scheduler = lr_scheduler
+        self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
         self.training_dataloader = training_dataloader
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config.fp16)
         self.global_rank = comm.rank
@@ -116,7 +118,7 @@ class ZeroEngine(nn.Module):
                 if self.stage.delays_update:  # the update still reads the current lr
                     self._lr_step_due = lr_kwargs
                 else:
-                    self.lr_scheduler.step(**lr_kwargs)
+                    self._lr_watch.step(self.lr_scheduler, **lr_kwargs)
         else:
             self._skip(outcome)
         self.global_steps += 1
@@ -132,7 +134,7 @@ class ZeroEngine(nn.Module):
         self.stage.settle()
         if self._lr_step_due is not None:
             due, self._lr_step_due = self._lr_step_due, None
-            self.lr_scheduler.step(**due)
+            self._lr_watch.step(self.lr_scheduler, **due)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         if not mode and "stage" in self.__dict__:
@@ -340,6 +342,7 @@ class ZeroEngine(nn.Module):
         self.stage.zero_grad()
         self._backward_in_window = False
         self._last_outcome = None
+        self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
         return result.path, result.client_state
 

@@ -20,6 +20,8 @@ import hashlib
 import json
 import logging
 import os
+import sys
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -29,7 +31,8 @@ from torch import nn
 from . import checkpointing
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device)
-from .config import ZeroTrainConfig, load_config, read_config_dict
+from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
+                     unimplemented_message)
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine
 from .errors import ConfigError, RankMismatchError
@@ -83,7 +86,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     source = _config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, verbose=False,
                      timeout=_comms_timeout(source))
-    cfg = load_config(source, world_size=dist.get_world_size())
+    cfg = load_config(source, world_size=dist.get_world_size(), warn_unimplemented=False)
+    if cfg.unimplemented_keys and dist.get_rank() == 0:   # once per job, at the user's line
+        warnings.warn(unimplemented_message(cfg.unimplemented_keys), ZeroTrainConfigWarning,
+                      stacklevel=_user_stacklevel())
     device = _device()   # before the communicator: it reads the current CUDA device
     comm = Communicator(debug=cfg.debug)
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
@@ -133,6 +139,18 @@ def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
         return
     path, _ = engine.load_checkpoint(directory)
     logger.info("auto-resume: continued from %s at step %d", path, engine.global_steps)
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for a warning issued here that names the first caller frame outside
+    zerotrain and the Hugging Face Trainer (which calls initialize() for the user)."""
+    packages = [sys.modules[n] for n in ("zerotrain", "transformers", "accelerate")
+                if getattr(sys.modules.get(n), "__file__", None)]
+    dirs = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in packages)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _config_source(args, config, config_params):

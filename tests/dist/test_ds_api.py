@@ -151,3 +151,102 @@ def test_log_dist_ranks_and_zero3_parameter_attributes(worlds):
                                                                 for i in res["ids"])
         assert res["full_shape"] == (29, 13) and res["numel"] == 29 * 13
         assert res["chunk"] == -(-29 * 13 // 2)   # this rank's padded chunk
+
+
+def _nvme_job(rank: int, world: int, root: str) -> dict:
+    import os
+
+    import zerotrain
+    from zerotrain.errors import ConfigError
+
+    handler = _Records()
+    logging.getLogger("zerotrain").addHandler(handler)
+    nvme = os.path.join(root, "not", "yet", "there")
+    config = R.engine_config(stage=2)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+    try:
+        engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
+        R.train_engine(engine, steps=1, rank=rank, ga=1)
+        folders = sorted(os.listdir(nvme))
+        engine.close()
+        blocked = os.path.join(root, "a_file")
+        if rank == 0:
+            open(blocked, "w").close()
+        engine.comm.barrier()
+        config["zero_optimization"]["offload_optimizer"]["nvme_path"] = os.path.join(
+            blocked, "sub")
+        try:
+            zerotrain.initialize(model=R.make_model(), config=config)
+            error = None
+        except ConfigError as exc:
+            error = str(exc)
+    finally:
+        logging.getLogger("zerotrain").removeHandler(handler)
+    return {"folders": folders, "error": error,
+            "logged": [m for m in handler.messages if "swaps to files in" in m]}
+
+
+def test_nvme_path_is_created_with_a_folder_per_rank_and_logged(worlds, tmp_path):
+    for rank, res in enumerate(worlds.run(2, _nvme_job, str(tmp_path))):
+        assert any(f.startswith(f"zerotrain-swap-rank{rank}-") for f in res["folders"]), res
+        assert len(res["logged"]) == 1 and f"rank {rank} swaps" in res["logged"][0], res
+        assert "offload_optimizer.nvme_path" in res["error"], res["error"]
+        assert "cannot be created" in res["error"], res["error"]
+
+
+def _warnings_job(rank: int, world: int) -> dict:
+    import warnings
+
+    import zerotrain
+    from zerotrain.config import ZeroTrainConfigWarning
+
+    config = R.engine_config(stage=1, flops_profiler={"enabled": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)   # the user's line
+    ours = [w for w in caught if issubclass(w.category, ZeroTrainConfigWarning)]
+    engine.close()
+    return {"count": len(ours), "where": [(w.filename, w.lineno) for w in ours],
+            "message": [str(w.message) for w in ours]}
+
+
+def test_unimplemented_keys_warn_once_on_rank_0_at_the_users_call(worlds):
+    import inspect
+
+    source, first = inspect.getsourcelines(_warnings_job)
+    line = first + next(i for i, text in enumerate(source) if "the user's line" in text)
+    rank0, rank1 = worlds.run(2, _warnings_job)
+    assert rank1["count"] == 0 and rank0["count"] == 1, (rank0, rank1)
+    assert rank0["where"] == [(__file__, line)], rank0["where"]
+    assert "flops_profiler" in rank0["message"][0]
+
+
+def _scheduler_job(rank: int, world: int, user_steps_too: bool) -> dict:
+    import zerotrain
+
+    handler = _Records()
+    logging.getLogger("zerotrain").addHandler(handler)
+    model = R.make_model()
+    optimizer = R.adamw(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    config = R.engine_config(stage=2)
+    del config["optimizer"]
+    engine, _, _, lr_scheduler = zerotrain.initialize(model=model, optimizer=optimizer,
+                                                      lr_scheduler=scheduler, config=config)
+    try:
+        for step in range(4):   # a loop ported from accelerate: it steps the scheduler too
+            engine.backward(engine(*R.micro_batch(step, rank, 0)))
+            engine.step()
+            if user_steps_too:
+                lr_scheduler.step()
+    finally:
+        logging.getLogger("zerotrain").removeHandler(handler)
+    engine.close()
+    return [m for m in handler.messages if "stepped outside engine.step()" in m]
+
+
+def test_scheduler_stepped_by_the_loop_too_warns_once_naming_it(worlds):
+    for warned in worlds.run(2, _scheduler_job, True):
+        assert len(warned) == 1 and "LambdaLR" in warned[0], warned
+    for warned in worlds.run(2, _scheduler_job, False):
+        assert warned == []

@@ -285,3 +285,15 @@ def test_import_without_transformers_says_what_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert "pip install zerotrain[transformers]" in out, out
+
+
+def test_plain_trainer_refuses_zero_training_arguments(tmp_path):
+    from zerotrain.integrations.transformers import ZeroTrainer, ZeroTrainingArguments
+
+    args = ZeroTrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                 deepspeed={"zero_optimization": {"stage": 2}})
+    with pytest.raises(TypeError, match="not ZeroTrainer.*without zerotrain"):
+        transformers.Trainer(model=_model("gpt2"), args=args, train_dataset=_Tokens())
+    ZeroTrainer(model=_model("gpt2"), args=args, train_dataset=_Tokens())  # the right class
+    with pytest.raises(TypeError, match="not ZeroTrainer"):   # and still refused after it
+        transformers.Trainer(model=_model("gpt2"), args=args, train_dataset=_Tokens())

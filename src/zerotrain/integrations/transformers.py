@@ -69,6 +69,7 @@ if not all(callable(getattr(Trainer, name, None)) for name in _TRAINER_HOOKS):
                       "pip install -U 'transformers>=5.23'")
 
 logger = logging.getLogger(__name__)
+_OWNED_BY_ZERO_TRAINER = "_zerotrain_trainer_init"   # set while ZeroTrainer.__init__ runs
 
 
 @dataclasses.dataclass
@@ -102,7 +103,16 @@ class ZeroTrainingArguments(TrainingArguments):
 
     @property
     def place_model_on_device(self) -> bool:
-        """The engine places (and at stage 3 partitions) the model, not the Trainer."""
+        """The engine places (and at stage 3 partitions) the model, not the Trainer.
+
+        ``Trainer.__init__`` reads this; only ``ZeroTrainer`` may (the plain Trainer would
+        train these arguments as plain data parallelism, without ZeRO and without a word).
+        """
+        if not self.__dict__.get(_OWNED_BY_ZERO_TRAINER, False):
+            raise TypeError("ZeroTrainingArguments were given to a Trainer that is not "
+                            "ZeroTrainer; it would train without zerotrain (plain data "
+                            "parallelism, no ZeRO). Use zerotrain.integrations.transformers"
+                            ".ZeroTrainer (same arguments), or plain TrainingArguments")
         return False
 
     @property
@@ -127,7 +137,11 @@ class ZeroTrainer(Trainer):
         if not isinstance(args, ZeroTrainingArguments):
             raise TypeError("ZeroTrainer needs ZeroTrainingArguments (same fields as "
                             f"TrainingArguments, plus zerotrain=); got {type(args).__name__}")
-        super().__init__(model, args, *rest, **kwargs)
+        object.__setattr__(args, _OWNED_BY_ZERO_TRAINER, True)   # place_model_on_device
+        try:
+            super().__init__(model, args, *rest, **kwargs)
+        finally:
+            object.__setattr__(args, _OWNED_BY_ZERO_TRAINER, False)
         self.engine: Any = None
         self._client_optimizer, self._client_scheduler = self.optimizer, self.lr_scheduler
         self._scheduler_view: Optional[EngineSchedulerView] = None

@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..errors import ConfigError
+from ..log import ALL_RANKS
 from .plan import OffloadPlan
 
 OPTIMIZER_SECTION = "zero_optimization.offload_optimizer"
@@ -161,6 +162,8 @@ class NvmeStorage(HostStorage):
         self.directory = _check_directory(directory, section)
         self.path = tempfile.mkdtemp(prefix=f"zerotrain-{label}-rank{rank}-",
                                      dir=self.directory)
+        logger.info("%s: rank %d swaps to files in %s", self.key, rank, self.path,
+                    extra={ALL_RANKS: True})
         # the files are unlinked as soon as they are mapped; the directory goes at close(),
         # or when this object is collected, or at interpreter exit, whichever comes first
         self._remove_directory = weakref.finalize(self, shutil.rmtree, self.path, True)
@@ -334,8 +337,11 @@ def _check_directory(directory: Optional[str], section: str) -> str:
     key = f"{section}.nvme_path"
     if not directory:
         raise ConfigError(key, f'is required when {section.split(".")[-1]}.device is "nvme"')
-    if not os.path.isdir(directory):
-        raise ConfigError(key, f"{directory!r} is not an existing directory", value=directory)
+    try:   # DeepSpeed creates the directory too
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(key, f"{directory!r} does not exist and cannot be created "
+                          f"({exc.strerror or exc})", value=directory) from exc
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ConfigError(key, f"{directory!r} is not writable by this process",
                           value=directory)

@@ -1,8 +1,11 @@
 """On a CUDA machine: the offload paths (pinned host state, device-to-host gradient staging,
-asynchronous host-to-device refresh, NVMe swapping) train like no offload, at stages 1-3.
+asynchronous host-to-device refresh, NVMe swapping) train like no offload, at stages 1-3;
+the device follows LOCAL_RANK whatever the group's backend string; copies run on their own
+streams; and the copy ledger counts 2 bytes per shard element each way at stage 2 bf16.
 
-Skipped without CUDA (CI has none). One process, world size 1, NCCL; run with
-``pytest -m gpu tests/test_cuda.py``.
+Skipped without CUDA (CI has none; tests/unit/test_devices.py and
+tests/dist/test_offload_copies.py check the same decisions and counts on CPU). One process,
+world size 1; run with ``pytest -m gpu tests/test_cuda.py``.
 """
 import os
 import subprocess
@@ -71,3 +74,61 @@ def test_offload_on_cuda_matches_no_offload(tmp_path):
             assert diff <= 1e-6, (case, diff)
         elif case.startswith("bf16"):
             assert diff <= 1e-2, (case, diff)
+
+
+DEVICE_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    import zerotrain, reference as R
+    from zerotrain.offload import Transfers
+    backend = sys.argv[1] or None
+    os.environ["LOCAL_RANK"] = str(torch.cuda.device_count() - 1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    config = R.engine_config(stage=2, precision="bf16")
+    config["zero_optimization"]["offload_optimizer"] = {{"device": "cpu", "pin_memory": True}}
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engine.copy_ledger.reset()
+    R.train_engine(engine, steps=2, rank=0, ga=1)
+    shard = sum(r.master.numel() for r in engine.stage.shard_records())
+    out = {{"device": str(next(model.parameters()).device), "comm": str(engine.comm.device),
+           "current": torch.cuda.current_device(), "copies": engine.copy_ledger.nbytes,
+           "shard": shard}}
+    # side-stream copies: right values, made on the transfer streams
+    t = Transfers(torch.device("cuda", torch.cuda.current_device()))
+    host = torch.randn(1 << 20).pin_memory()
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy / 2048          # keep the compute stream busy meanwhile
+    up = t.upload(host, torch.bfloat16)
+    down = torch.empty(1 << 20, dtype=torch.bfloat16).pin_memory()
+    t.to_host(down, up).synchronize()
+    sent, ctx = t.send(host, up.device)
+    torch.cuda.synchronize()
+    out["upload_exact"] = bool(torch.equal(down, host.to(torch.bfloat16)))
+    out["send_exact"] = bool(torch.equal(sent.cpu(), host))
+    out["streams"] = sorted(t._streams)
+    engine.close()
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("backend", ["", "nccl", "cpu:gloo,cuda:nccl"])
+def test_device_selection_side_stream_copies_and_copy_ledger_on_cuda(tmp_path, backend):
+    """No backend, NCCL and a mixed group all train on cuda:LOCAL_RANK; the copies run on
+    their own streams with exact values; stage 2 bf16 offload moves 2 bytes per shard
+    element each way per step."""
+    import json
+    script = tmp_path / "devices.py"
+    script.write_text(DEVICE_SCRIPT.format(here=HERE))
+    out = subprocess.run([sys.executable, str(script), backend], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(next(l for l in out.stdout.splitlines()
+                          if l.startswith("RESULT "))[len("RESULT "):])
+    last = torch.cuda.device_count() - 1
+    assert res["device"] == res["comm"] == f"cuda:{last}" and res["current"] == last, res
+    assert res["copies"] == {"to_host": 2 * 2 * res["shard"],
+                             "to_device": 2 * 2 * res["shard"]}, res
+    assert res["upload_exact"] and res["send_exact"], res
+    assert res["streams"] == ["to_device", "to_host"], res

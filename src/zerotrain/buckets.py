@@ -27,6 +27,23 @@ gradients):
 * :class:`ReduceScatterEveryMicroStep` (stage 2): every micro-step's gradients are
   reduce-scattered as soon as a block is complete and summed into the shard; no full
   gradient survives backward.
+
+Note: communication dtype
+    Gradients cross the wire in ``comm_dtype`` (``communication_data_type``; by default
+    the dtype of the gradients autograd produces, as in DeepSpeed, so bf16 training moves
+    half the bytes of fp32) and are accumulated in ``accum_dtype``
+    (``data_types.grad_accum_dtype``). Stage 2 stages each micro-step's block in the
+    communication dtype; stage 1 keeps its reduced shard in it. When a shard holds exactly
+    one reduction its values are exact in the communication dtype, which
+    :meth:`GradientBuckets.exact_dtype` reports, so offload can move it to the host in
+    16 bits without changing a bit.
+
+Note: releasing buckets
+    At stage 2 a block's staging buffer is freed as soon as its reduction completes, with
+    or without ``overlap_comm`` (without it, the reduction runs synchronously from the
+    hook that completes the block); so backward holds at most the blocks still filling
+    plus ``MAX_IN_FLIGHT`` in flight, never the whole gradient. Stages 0 and 1 keep their
+    full accumulation buffer by design.
 """
 from __future__ import annotations
 
@@ -54,10 +71,12 @@ class GradientBuckets:
     defer_without_overlap = False
 
     def __init__(self, layouts: Sequence[FlatLayout], comm: Communicator, *,
-                 accum_dtype: torch.dtype, device: torch.device, overlap: bool) -> None:
+                 accum_dtype: torch.dtype, device: torch.device, overlap: bool,
+                 comm_dtype: Optional[torch.dtype] = None) -> None:
         self.layouts = list(layouts)
         self.comm = comm
         self.accum_dtype = accum_dtype
+        self.comm_dtype = comm_dtype or accum_dtype
         self.device = device
         self.overlap = overlap
         self.order = [(g, b) for g, lay in enumerate(self.layouts) for b in lay.blocks][::-1]
@@ -67,7 +86,10 @@ class GradientBuckets:
         self._reducing = False          # this micro-step's blocks are reduced now
         self._active = False            # a micro-step's backward is under way
         self._deferred = False          # the boundary's reductions wait for collect()
+        self._at_boundary = False       # this micro-step ends the accumulation window
         self._pending: deque = deque()  # (work, on_done) of asynchronous reductions
+        self._reductions = 0            # micro-steps reduced into the shards this window
+        self.on_reduced: Optional[Callable[[int, Block], None]] = None  # Note "streaming"
 
     # ------------------------------------------------------------ strategy hooks
     def reduces_on(self, boundary: bool) -> bool:
@@ -83,6 +105,17 @@ class GradientBuckets:
     def reduced_shard(self, g: int) -> torch.Tensor:
         """This rank's part of group g's gradient, summed over ranks (not yet averaged)."""
         raise NotImplementedError
+
+    def exact_dtype(self, g: int) -> torch.dtype:
+        """The narrowest dtype that holds group g's reduced shard without rounding: the
+        communication dtype while the shard holds a single reduction (Note: communication
+        dtype), else the shard's own."""
+        shard = self.reduced_shard(g)
+        reductions = self._reductions + (1 if self._active and self._reducing else 0)
+        if (reductions == 1 and self.comm_dtype.itemsize < shard.dtype.itemsize
+                and self.comm_dtype.is_floating_point):
+            return self.comm_dtype
+        return shard.dtype
 
     def clear(self) -> None:
         """Forget all gradients (after an optimizer step, applied or skipped)."""
@@ -101,6 +134,7 @@ class GradientBuckets:
             raise StateError("a new backward began before the optimizer step consumed the "
                              "accumulation boundary's gradients; call engine.step()")
         self._active = True
+        self._at_boundary = boundary
         self._reducing = self.reduces_on(boundary)
         self._next = 0
         for arrived, launched in zip(self._arrived, self._launched):
@@ -118,8 +152,8 @@ class GradientBuckets:
                 "bucket was reduced in this backward; call engine.backward once per micro-step")
         self._accumulate(g, block, slot_index, grad)
         self._arrived[g][block.index].add(slot_index)
-        if self._reducing and self.overlap:
-            self._launch_ready()
+        if self._reducing and (self.overlap or not self.defer_without_overlap):
+            self._launch_ready()   # Note: releasing buckets
 
     def finish(self) -> None:
         """End the micro-step: launch what is left (in order) and wait for everything."""
@@ -129,6 +163,8 @@ class GradientBuckets:
             self._deferred = True
         elif self._reducing:
             self._launch_rest()
+        if self._reducing:
+            self._reductions += 1
         self._active = False
 
     def collect(self) -> None:
@@ -159,6 +195,15 @@ class GradientBuckets:
         self._next += 1
         self._launched[g][block.index] = True
         self._launch(g, block)
+
+    def _reduced(self, g: int, block: Block) -> None:
+        """Block ``block`` of group g has its final value for this micro-step."""
+        if self.on_reduced is not None and self._at_boundary:
+            self.on_reduced(g, block)
+
+    def _wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` in the communication dtype (itself when it already is)."""
+        return flat if flat.dtype == self.comm_dtype else flat.to(self.comm_dtype)
 
     def _track(self, work, on_done: Optional[Callable[[], None]] = None) -> None:
         """Remember an async reduction; bound how many are in flight."""
@@ -210,8 +255,11 @@ class AllReduceGrads(_FullAccumulation):
     """Stage 0: all-reduce the full gradient; the 'shard' is the whole group."""
 
     def _launch(self, g, block) -> None:
-        self._track(self.comm.all_reduce(self._block_flat(g, block), async_op=self.overlap,
-                                         label=f"gradient bucket {g}.{block.index}"))
+        flat = self._block_flat(g, block)
+        wire = self._wire(flat)
+        work = self.comm.all_reduce(wire, async_op=self.overlap,
+                                    label=f"gradient bucket {g}.{block.index}")
+        self._track(work, None if wire is flat else lambda: flat.copy_(wire))
 
     def reduced_shard(self, g: int) -> torch.Tensor:
         self._block_flat(g, self.layouts[g].blocks[0])  # allocate if nothing arrived
@@ -221,6 +269,7 @@ class AllReduceGrads(_FullAccumulation):
         for t in self._full:
             if t is not None:
                 t.zero_()
+        self._reductions = 0
 
 
 class ReduceScatterAtBoundary(_FullAccumulation):
@@ -233,13 +282,15 @@ class ReduceScatterAtBoundary(_FullAccumulation):
     def _launch(self, g, block) -> None:
         shard = self._shard_of(g)
         out = shard[block.shard_offset: block.shard_offset + block.chunk]
-        self._track(self.comm.reduce_scatter(out, self._block_flat(g, block),
+        self._track(self.comm.reduce_scatter(out, self._wire(self._block_flat(g, block)),
                                              async_op=self.overlap,
-                                             label=f"gradient bucket {g}.{block.index}"))
+                                             label=f"gradient bucket {g}.{block.index}"),
+                    lambda: self._reduced(g, block))
 
     def _shard_of(self, g: int) -> torch.Tensor:
+        """The reduced shard, in the communication dtype: it holds one reduction only."""
         if self._shard[g] is None:
-            self._shard[g] = torch.empty(self.layouts[g].shard_numel, dtype=self.accum_dtype,
+            self._shard[g] = torch.empty(self.layouts[g].shard_numel, dtype=self.comm_dtype,
                                          device=self.device)
         return self._shard[g]
 
@@ -253,6 +304,7 @@ class ReduceScatterAtBoundary(_FullAccumulation):
             if t is not None:
                 t.zero_()
         self._shard = [None] * len(self.layouts)
+        self._reductions = 0
 
     def tensors(self) -> list[torch.Tensor]:
         return super().tensors() + [t for t in self._shard if t is not None]
@@ -271,10 +323,12 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         return True
 
     def _staging_of(self, g: int, block: Block) -> torch.Tensor:
+        """One micro-step's gradients of a block, in the communication dtype (a parameter's
+        gradient arrives once per backward, so nothing is summed in it but zeros)."""
         key = (g, block.index)
         if key not in self._staging:
             numel = self.layouts[g].block_full_numel(block)
-            self._staging[key] = torch.zeros(numel, dtype=self.accum_dtype, device=self.device)
+            self._staging[key] = torch.zeros(numel, dtype=self.comm_dtype, device=self.device)
         return self._staging[key]
 
     def _accumulate(self, g, block, slot_index, grad) -> None:
@@ -289,19 +343,21 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         target = self._shard[g][block.shard_offset: block.shard_offset + block.chunk]
         staging = self._staging_of(g, block)
         key = (g, block.index)
-        if self._fresh:
-            work = self.comm.reduce_scatter(target, staging, async_op=self.overlap,
-                                            label=f"gradient bucket {g}.{block.index}")
-            self._track(work, lambda: self._staging.pop(key))
-        else:
-            out = torch.empty_like(target)
-            work = self.comm.reduce_scatter(out, staging, async_op=self.overlap,
-                                            label=f"gradient bucket {g}.{block.index}")
+        direct = self._fresh and target.dtype == staging.dtype
+        out = target if direct else torch.empty(target.shape, dtype=staging.dtype,
+                                                device=target.device)
+        work = self.comm.reduce_scatter(out, staging, async_op=self.overlap,
+                                        label=f"gradient bucket {g}.{block.index}")
+        fresh = self._fresh
 
-            def done() -> None:
+        def done() -> None:
+            if not direct and fresh:
+                target.copy_(out)
+            elif not direct:
                 target.add_(out)
-                self._staging.pop(key)
-            self._track(work, done)
+            self._staging.pop(key)   # Note: releasing buckets
+            self._reduced(g, block)
+        self._track(work, done)
 
     def finish(self) -> None:
         was_active = self.active
@@ -316,6 +372,7 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
 
     def clear(self) -> None:
         self._fresh = True
+        self._reductions = 0
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self._staging.values()) + [t for t in self._shard if t is not None]

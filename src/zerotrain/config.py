@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import (Annotated, Any, Dict, FrozenSet, List, Literal, Mapping, Optional, Type, Union,
                     get_args)
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+                      model_validator)
 
 from .errors import ConfigError
 
@@ -47,7 +48,7 @@ class ZeroTrainConfigWarning(UserWarning):
 # DeepSpeed keys zerotrain accepts but ignores, by section (dotted path, "" = top level).
 _UNIMPLEMENTED_NAMES = {
     "": """aio amp autotuning comet comms_logger
-        communication_data_type compile compression_training csv_monitor curriculum_learning
+        compile compression_training csv_monitor curriculum_learning
         data_efficiency dataloader_drop_last disable_allgather disable_python_gc dump_state
         eigenvalue elasticity expert_parallel flops_profiler gradient_allreduce_op
         gradient_predivide_factor graph_harvesting hybrid_engine log_level
@@ -132,11 +133,19 @@ class OffloadConfig(_Section):
 
 
 class ZeroConfig(_Section):
-    """``overlap_comm`` defaults to False at every stage (DeepSpeed turns it on for stage 3).
+    """``overlap_comm`` defaults to True at stage 3 and False below, as in DeepSpeed.
     Bucket sizes must be > 0; thresholds and distances may be 0, as in DeepSpeed."""
 
     stage: int = Field(0, ge=0, le=3)
     overlap_comm: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overlap_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "overlap_comm" not in data:
+            data = {**data, "overlap_comm": data.get("stage") == 3}
+        return data
+
     contiguous_gradients: bool = True
     reduce_bucket_size: Size = 500_000_000
     allgather_bucket_size: Size = 500_000_000
@@ -261,6 +270,7 @@ class ZeroTrainConfig(_Section):
         default_factory=ActivationCheckpointingConfig)
     steps_per_print: int = Field(10, ge=1)
     wall_clock_breakdown: bool = False
+    communication_data_type: Optional[PrecisionName] = None   # gradient reductions
     # zerotrain's own keys (not DeepSpeed's)
     comms_timeout: float = Field(1800.0, gt=0)     # seconds a collective may wait
     nonfinite: Literal["raise", "skip"] = "raise"  # bf16/fp32 inf/nan gradients
@@ -274,6 +284,12 @@ class ZeroTrainConfig(_Section):
         if self.fp16.enabled:
             return "fp16"
         return "bf16" if self.bf16.enabled else "fp32"
+
+    @property
+    def comm_dtype(self) -> PrecisionName:
+        """The gradient reductions' dtype: the gradients' own (the parameter dtype) unless
+        ``communication_data_type`` is set, as in DeepSpeed."""
+        return self.communication_data_type or self.precision
 
     @property
     def grad_accum_dtype(self) -> PrecisionName:

@@ -62,6 +62,7 @@ class ZeroEngine(nn.Module):
         self._backward_in_window = False
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self._comm_mark = (self.global_steps, _reach_totals(comm.ledger))
+        self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -226,8 +227,9 @@ class ZeroEngine(nn.Module):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with
-        offload also host_optimizer_state or nvme_optimizer_state (file-backed), and
-        host_parameters (stage-3 shards kept on the host).
+        offload also host_optimizer_state or nvme_optimizer_state (file-backed),
+        host_parameters (stage-3 shards kept on the host) and host_gradients (the gradient
+        shard in its wire dtype and the upload slots of the host step).
 
         Counts distinct storages, so views of one flat buffer count once.
         """

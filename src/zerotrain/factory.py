@@ -10,7 +10,7 @@ from torch import nn
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
 from .comm import Communicator
 from .errors import ConfigError
-from .offload import OffloadPlan, build_param_storage, build_storage, build_updater
+from .offload import OffloadPlan, Transfers, build_param_storage, build_storage, build_updater
 from .precision import PrecisionPolicy
 from .zero3.stage import PartitionedDataParallel
 from .stages.base import Stage, StepOutcome
@@ -41,7 +41,8 @@ def build_stage(stage: int, *, module: nn.Module,
                           value=stage)
     offload = OffloadPlan.from_config(zero_config)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    storage = build_storage(offload, comm.rank, device)
+    transfers = Transfers(device)   # issues and counts host <-> device copies
+    storage = build_storage(offload, comm.rank, device, transfers)
     make_updater = functools.partial(build_updater, storage=storage,
                                      delayed=offload.delayed_update)
     if stage == 3:
@@ -49,7 +50,7 @@ def build_stage(stage: int, *, module: nn.Module,
                                        policy=policy, zero_config=zero_config,
                                        make_optimizer=make_optimizer, storage=storage,
                                        param_storage=build_param_storage(offload, comm.rank,
-                                                                         device),
+                                                                         device, transfers),
                                        make_updater=make_updater)
     plan = ShardPlan(
         shard_world=1 if stage == 0 else comm.world_size,

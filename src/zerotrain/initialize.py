@@ -93,7 +93,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     device = _device()   # before the communicator: it reads the current CUDA device
     comm = Communicator(debug=cfg.debug)
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
-    policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype)
+    policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
     _check_sections(cfg, optimizer, lr_scheduler)
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         checkpointing.configure(None, deepspeed_config=cfg)

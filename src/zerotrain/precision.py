@@ -23,15 +23,26 @@ class PrecisionPolicy:
     param_dtype: the module's floating-point parameters and activations.
     grad_accum_dtype: gradients accumulated over micro-steps and reduced over ranks.
     master_dtype: what the optimizer steps (always fp32).
+    comm_dtype: gradient reductions on the wire (``communication_data_type``); None means
+    the gradients' own dtype, ``param_dtype``.
     """
 
     param_dtype: torch.dtype = torch.float32
     grad_accum_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
+    comm_dtype: Optional[torch.dtype] = None
 
     @classmethod
-    def from_names(cls, precision: str, grad_accum: str) -> "PrecisionPolicy":
-        return cls(param_dtype=DTYPES[precision], grad_accum_dtype=DTYPES[grad_accum])
+    def from_names(cls, precision: str, grad_accum: str,
+                   comm: Optional[str] = None) -> "PrecisionPolicy":
+        return cls(param_dtype=DTYPES[precision], grad_accum_dtype=DTYPES[grad_accum],
+                   comm_dtype=DTYPES[comm] if comm else None)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced over ranks in (Note "communication dtype" in
+        buckets.py)."""
+        return self.comm_dtype or self.param_dtype
 
     @property
     def has_master_copy(self) -> bool:

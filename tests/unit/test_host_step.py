@@ -3,7 +3,7 @@ stepping each record alone instead of scanning every group per record."""
 import pytest
 import torch
 
-from zerotrain.offload import HostStorage, HostUpdater
+from zerotrain.offload import Gradients, HostStorage, HostUpdater
 from zerotrain.offload.threads import host_step_threads, step_alone
 
 
@@ -33,6 +33,10 @@ class SpyAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def _gradients(shards: list[torch.Tensor]) -> Gradients:
+    return Gradients(shards, [s.dtype for s in shards], world=1, coef=1.0)
+
+
 def _records(n: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     return [torch.randn(5 + k) for k in range(n)]
@@ -46,7 +50,7 @@ def test_host_step_uses_its_thread_count_and_restores_the_callers():
     before = torch.get_num_threads()
     updater.threads = before + 1
     SpyAdamW.calls = []
-    updater.step(masters, grads, publish=lambda k: None)
+    updater.step(masters, _gradients(grads), publish=lambda k: None)
     assert [t for t, _ in SpyAdamW.calls] == [before + 1] * 4
     assert torch.get_num_threads() == before
 
@@ -64,7 +68,7 @@ def test_each_record_steps_alone_and_matches_one_optimizer_step():
         for e, g in zip(expected, grads):
             e.grad = g.clone()
         reference.step()
-        updater.step(masters, [g.clone() for g in grads], publish=lambda k: None)
+        updater.step(masters, _gradients([g.clone() for g in grads]), publish=lambda k: None)
         assert [n for _, n in SpyAdamW.calls] == [1] * 6, "one tensor visited per record"
     for got, want in zip(masters, expected):
         assert torch.equal(got, want)

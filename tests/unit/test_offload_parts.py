@@ -7,8 +7,13 @@ import torch
 
 from zerotrain.config import load_config
 from zerotrain.errors import ConfigError
-from zerotrain.offload import (HostStorage, HostUpdater, NvmeStorage, OffloadPlan,
+from zerotrain.offload import (Gradients, HostStorage, HostUpdater, NvmeStorage, OffloadPlan,
                                build_param_storage)
+
+
+def _g(shards) -> Gradients:
+    """Finished gradients as the stage hands them over (world 1, nothing to unscale)."""
+    return Gradients(list(shards), [t.dtype for t in shards], world=1, coef=1.0)
 
 
 def _zero(**zero):
@@ -87,7 +92,7 @@ def test_host_updater_steps_each_record_once_and_publishes_in_order():
     opt = torch.optim.SGD(masters, lr=1.0)
     seen = []
     updater = HostUpdater(opt, HostStorage())
-    updater.step(masters, [torch.ones(5), torch.full((3,), 2.0)], publish=seen.append)
+    updater.step(masters, _g([torch.ones(5), torch.full((3,), 2.0)]), publish=seen.append)
     assert seen == [0, 1]
     timings = updater.take_timings()
     assert {"offload_cpu_adam", "offload_publish", "offload_gradient_wait"} <= set(timings)
@@ -106,24 +111,28 @@ def test_nvme_needs_adam_state(tmp_path):
     updater.close()
 
 
-def test_host_gradient_staging_is_two_buffers_of_the_largest_record():
-    """Gradients that are not fp32 host tensors (a GPU's, or 16-bit ones) pass through two
-    reused staging buffers: no full-size fp32 gradient copy on the host."""
+def test_host_gradients_stay_16_bit_with_one_fp32_buffer_of_the_largest_record():
+    """16-bit gradients come down into host buffers of their own dtype (2 bytes per element,
+    counted by the copy ledger) and are widened to fp32 one record at a time: no
+    full-size fp32 gradient copy on the host."""
     sizes = [300, 1000, 200, 700]
     masters = [torch.zeros(n) for n in sizes]
     opt = torch.optim.AdamW(masters, lr=0.1, fused=True)
     reference = [m.clone() for m in masters]
     ref_opt = torch.optim.AdamW(reference, lr=0.1)
-    updater = HostUpdater(opt, HostStorage())
+    storage = HostStorage()
+    updater = HostUpdater(opt, storage)
     for step in range(3):
         grads = [torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + i))
                  .to(torch.bfloat16) for i, n in enumerate(sizes)]
-        updater.step(masters, grads, publish=lambda k: None)
+        updater.step(masters, _g(grads), publish=lambda k: None)
         for r, g in zip(reference, grads):
             r.grad = g.float()
         ref_opt.step()
-    assert len(updater._staging) == 2
-    assert sum(b.numel() for b in updater._staging) <= 2 * max(sizes)
+    held = updater.gradients.tensors()
+    assert sorted(t.numel() for t in held if t.dtype == torch.bfloat16) == sorted(sizes)
+    assert [t.numel() for t in held if t.dtype == torch.float32] == [max(sizes)]
+    assert storage.transfers.ledger.nbytes["to_host"] == 3 * 2 * sum(sizes)
     for m, r in zip(masters, reference):
         torch.testing.assert_close(m, r, atol=1e-6, rtol=0)
 
@@ -143,11 +152,11 @@ def test_nvme_state_survives_a_load_that_drops_or_replaces_it(tmp_path):
     and Adam finds its step counter."""
     storage, masters, opt, updater = _nvme_updater(tmp_path)
     grads = [torch.ones(6), torch.ones(4)]
-    updater.step(masters, grads, publish=lambda k: None)
+    updater.step(masters, _g(grads), publish=lambda k: None)
     reserved, files = storage.reserved_bytes, len(storage._fds)
     opt.state[masters[0]].clear()                                   # loaded without state
     opt.state[masters[1]]["exp_avg"] = torch.full((4,), 0.5)        # loaded with state
-    updater.step(masters, grads, publish=lambda k: None)
+    updater.step(masters, _g(grads), publish=lambda k: None)
     assert storage.reserved_bytes == reserved and len(storage._fds) == files
     assert float(opt.state[masters[0]]["step"]) == 1.0              # fresh, as a new Adam
     assert float(opt.state[masters[1]]["step"]) == 2.0
@@ -163,8 +172,8 @@ def test_a_failed_nvme_step_leaves_every_tensor_home_and_the_next_step_works(tmp
         raise RuntimeError("device lost")
 
     with pytest.raises(RuntimeError, match="device lost"):
-        updater.step(masters, [torch.ones(6), torch.ones(4)], publish=publish)
+        updater.step(masters, _g([torch.ones(6), torch.ones(4)]), publish=publish)
     assert [m.untyped_storage().data_ptr() for m in masters] == homes
-    updater.step(masters, [torch.ones(6), torch.ones(4)], publish=lambda k: None)
+    updater.step(masters, _g([torch.ones(6), torch.ones(4)]), publish=lambda k: None)
     assert all(m.untyped_storage().data_ptr() == h for m, h in zip(masters, homes))
     updater.close()

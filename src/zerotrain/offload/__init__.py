@@ -7,11 +7,14 @@ buffers; ``updater.py`` runs the optimizer step: on the device in one call, or o
 one record at a time, overlapping the copies. Stages receive a storage and an updater and
 never branch on the offload configuration; without offload these are the device ones.
 """
+from .gradients import Gradients, HostGradients
 from .plan import OffloadPlan
 from .storage import (DeviceStorage, HostStorage, NvmeStorage, Storage, build_param_storage,
                       build_storage)
+from .transfers import CopyLedger, Transfers
 from .updater import DeviceUpdater, HostUpdater, build_updater
 
-__all__ = ["OffloadPlan", "DeviceStorage", "HostStorage", "NvmeStorage", "Storage",
+__all__ = ["CopyLedger", "Gradients", "HostGradients", "Transfers", "OffloadPlan",
+           "DeviceStorage", "HostStorage", "NvmeStorage", "Storage",
            "DeviceUpdater", "HostUpdater", "build_param_storage", "build_storage",
            "build_updater"]

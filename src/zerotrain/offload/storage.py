@@ -14,6 +14,7 @@ Note: NVMe swapping
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -32,6 +33,7 @@ import torch
 from ..errors import ConfigError
 from ..log import ALL_RANKS
 from .plan import OffloadPlan
+from .transfers import Transfers
 
 OPTIMIZER_SECTION = "zero_optimization.offload_optimizer"
 logger = logging.getLogger(__name__)
@@ -49,15 +51,16 @@ class DeviceStorage:
     on_host = False
     swaps = False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, transfers: Optional[Transfers] = None) -> None:
         self.device = torch.device(device)
+        self.transfers = transfers or Transfers(self.device)
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
-    def sends_asynchronously(self, tensor: torch.Tensor) -> bool:
-        """Whether a copy of ``tensor`` to the device may run without waiting for it."""
-        return False
+    def send(self, shard: torch.Tensor, device: torch.device):
+        """``shard`` on ``device`` for a collective, and the context to launch it in."""
+        return shard.to(device), contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -75,14 +78,15 @@ class HostStorage:
     on_host = True
     swaps = False
 
-    def __init__(self, pin_memory: bool = False) -> None:
+    def __init__(self, pin_memory: bool = False, transfers: Optional[Transfers] = None) -> None:
         self.pin = _pinnable(pin_memory)
         self._registered: list[torch.Tensor] = []
+        self.transfers = transfers or Transfers(torch.device("cpu"))
 
-    def sends_asynchronously(self, tensor: torch.Tensor) -> bool:
-        """A pinned tensor that stays put can go to the device without waiting (an NVMe
-        slot is reused right after, so its copies wait)."""
-        return not self.swaps and tensor.is_pinned()
+    def send(self, shard: torch.Tensor, device: torch.device):
+        """``shard`` (host) on ``device``, copied on the side stream, and the context to
+        launch its collective in (Note "copy streams" in transfers.py)."""
+        return self.transfers.send(shard, device)
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not self.pin or numel == 0:
@@ -156,8 +160,8 @@ class NvmeStorage(HostStorage):
 
     def __init__(self, directory: Optional[str], rank: int, *, slots: int = 3,
                  pin_memory: bool = True, section: str = OPTIMIZER_SECTION,
-                 label: str = "swap") -> None:
-        super().__init__(pin_memory)
+                 label: str = "swap", transfers: Optional[Transfers] = None) -> None:
+        super().__init__(pin_memory, transfers)
         self.key = f"{section}.nvme_path"
         self.directory = _check_directory(directory, section)
         self.path = tempfile.mkdtemp(prefix=f"zerotrain-{label}-rank{rank}-",
@@ -351,23 +355,27 @@ def _check_directory(directory: Optional[str], section: str) -> str:
 Storage = Union[DeviceStorage, HostStorage]
 
 
-def build_storage(plan: OffloadPlan, rank: int, device: torch.device) -> Storage:
-    """Where fp32 masters and optimizer state live: the device, host memory or NVMe."""
+def build_storage(plan: OffloadPlan, rank: int, device: torch.device,
+                  transfers: Optional[Transfers] = None) -> Storage:
+    """Where fp32 masters and optimizer state live: the device, host memory or NVMe.
+    ``transfers`` issues and counts its copies (one per stage, shared by its storages)."""
     if plan.optimizer == "nvme":
         # the slots are few and bounded, so they are always pinned
-        return NvmeStorage(plan.nvme_path, rank, slots=plan.buffer_count, pin_memory=True)
+        return NvmeStorage(plan.nvme_path, rank, slots=plan.buffer_count, pin_memory=True,
+                           transfers=transfers)
     if plan.optimizer_offloaded:
-        return HostStorage(plan.pin_memory)
-    return DeviceStorage(device)
+        return HostStorage(plan.pin_memory, transfers)
+    return DeviceStorage(device, transfers)
 
 
-def build_param_storage(plan: OffloadPlan, rank: int, device: torch.device) -> Storage:
+def build_param_storage(plan: OffloadPlan, rank: int, device: torch.device,
+                        transfers: Optional[Transfers] = None) -> Storage:
     """Where stage-3 parameter shards live between uses: the device, host memory (pinned
     when asked), or files under ``offload_param.nvme_path``, read through the page cache
     when a unit is gathered."""
     if plan.param == "nvme":
         return NvmeStorage(plan.param_nvme_path, rank, section="zero_optimization.offload_param",
-                           label="params")
+                           label="params", transfers=transfers)
     if plan.param_offloaded:
-        return HostStorage(plan.param_pin_memory)
-    return DeviceStorage(device)
+        return HostStorage(plan.param_pin_memory, transfers)
+    return DeviceStorage(device, transfers)

@@ -1,17 +1,22 @@
 """The optimizer step on the host, one record at a time.
 
 Note: the host step
-    ``step`` receives each record's gradient shard on the training device, already averaged,
-    unscaled and clipped (``stages/base.prepare_gradients``). For record k it then
+    ``step`` receives each record's reduced gradient shard on the training device with the
+    factors that finish it (``offload/gradients.py``); most records' copies to pinned host
+    memory started during backward, as their buckets completed. For record k it then
 
-    1. copies the gradient of record k+1 into a pinned staging buffer (asynchronous on
-       CUDA) and starts reading record k+1's state from NVMe, while
-    2. the optimizer (torch's fused CPU Adam) steps record k's fp32 master,
-    3. ``publish(k)`` sends record k's new values to the device (the stage knows how), and
+    1. waits for record k's gradient copy only, widens it to fp32 and finishes it (the
+       same arithmetic as on the device), while record k+1's NVMe state is being read,
+    2. steps record k's fp32 master with the optimizer (torch's fused CPU Adam) over that
+       record alone (``threads.step_alone``), with the host-step thread count,
+    3. ``publish(k)`` casts record k's new values to the parameter dtype on the host and
+       sends them up on the copy stream (the stage knows where they go), so the GPU takes
+       them in while the host steps record k+1, and
     4. record k's NVMe state is written back by a worker thread.
 
-    Host memory holds the fp32 state (12 bytes per parameter of this rank's shard) plus two
-    staging buffers of the largest record: no full-size fp32 gradient copy.
+    Host memory holds the fp32 state (12 bytes per parameter of this rank's shard), the
+    gradient shard in its wire dtype (2 bytes per parameter for bf16), one fp32 buffer of
+    the largest record and two 16-bit upload slots: no full-size fp32 gradient copy.
 
 Note: where the time goes
     ``timings`` adds up, per part, the seconds the step spends waiting for gradients to
@@ -26,9 +31,9 @@ Note: delayed parameter update
     With ``offload_optimizer.dpu`` the step does not wait for the host: the gradients are
     copied to the host and the update runs on a worker thread while the next micro-batches
     run forward and backward on the parameters of the step before (the ZeRO-Offload
-    paper's one-step delay). ``settle`` joins it; the stage then publishes. Because the
-    gradient must outlive the step, this mode keeps one fp32 gradient shard on the host
-    (4 more bytes per parameter of the shard).
+    paper's one-step delay). ``settle`` joins it; the stage then publishes. The gradients
+    go down when the step starts rather than during backward, since the worker may still
+    be reading the host buffers while the next backward runs.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
+from .gradients import Gradients, HostGradients
 from .storage import HostStorage, Storage
 from .threads import available_cores, host_step_threads, step_alone, threads
 
@@ -59,10 +65,10 @@ class DeviceUpdater:
     def attach(self, masters: Sequence[torch.Tensor]) -> None:
         pass
 
-    def step(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    def step(self, masters: Sequence[torch.Tensor], grads: Gradients,
              publish: Callable[[int], None]) -> None:
-        for master, grad in zip(masters, grads):
-            master.grad = grad
+        for k, master in enumerate(masters):
+            master.grad = grads.on_device(k)
         self.optimizer.step()   # one call: fused and foreach kernels see every shard
         for master in masters:
             master.grad = None
@@ -71,6 +77,15 @@ class DeviceUpdater:
 
     def settle(self) -> bool:
         return False
+
+    def stream(self, k: int, shard: torch.Tensor, wire: torch.dtype) -> None:
+        """Nothing leaves the device."""
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def forget(self) -> None:
+        pass
 
     def take_timings(self) -> dict[str, float]:
         return {}
@@ -96,13 +111,11 @@ class HostUpdater:
         self.optimizer = optimizer
         self.storage = storage
         self.delayed = delayed
-        self._staging: list[torch.Tensor] = []
-        self._held: list[torch.Tensor] = []        # delayed mode: gradients kept for the worker
+        self.gradients = HostGradients(storage.transfers, storage.staging)
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotrain-dpu")
                         if delayed else None)
         self._pending: Optional[Future] = None
         self._homes: dict[int, dict[str, torch.Tensor]] = {}   # NVMe: each master's state
-        self._ready: list[Optional[torch.cuda.Event]] = [None, None]  # staging copies landed
         self._lock = threading.Lock()
         self._group_of: dict[int, int] = {}   # id(master) -> its optimizer group
         self._groups_key: tuple = ()
@@ -135,20 +148,33 @@ class HostUpdater:
         self.storage.reserve_slots(numel)
 
     # ------------------------------------------------------------------ stepping
-    def step(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    def stream(self, k: int, shard: torch.Tensor, wire: torch.dtype) -> None:
+        """Record k's gradient is final: start its copy to the host now, during backward
+        (Note "streaming gradients down" in gradients.py). Not with the delayed update,
+        whose worker may still be reading the host buffers."""
+        if not self.delayed:
+            self.gradients.fetch(k, shard, wire)
+
+    def forget(self) -> None:
+        """The step was skipped: copies streamed for it are not used."""
+        self.gradients.forget()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Host buffers of the step: gradients in their wire dtype, the upload slots."""
+        return self.gradients.tensors() + self.storage.transfers.tensors()
+
+    def step(self, masters: Sequence[torch.Tensor], grads: Gradients,
              publish: Callable[[int], None]) -> None:
         """Step every record; ``publish(k)`` right after record k (not in delayed mode,
         where the caller publishes after ``settle``)."""
         if not self.delayed:
             self._run(masters, grads, publish)
             return
-        if len(self._held) != len(grads):
-            self._held = [self.storage.staging(g.numel()) for g in grads]
-        for held, grad in zip(self._held, grads):
-            held.copy_(grad, non_blocking=True)
-        if any(g.device.type == "cuda" for g in grads):
-            torch.cuda.current_stream().synchronize()   # the worker reads them next
-        self._pending = self._worker.submit(self._run, list(masters), self._held, None)
+        for k in range(len(masters)):   # on the host before the next backward starts
+            self.gradients.fetch(k, grads.shards[k], grads.wire[k])
+        if any(g.device.type == "cuda" for g in grads.shards):
+            self.storage.transfers.synchronize()
+        self._pending = self._worker.submit(self._run, list(masters), grads, None)
 
     def settle(self) -> bool:
         """Wait for a delayed update; True if one was pending (the caller then publishes)."""
@@ -177,7 +203,7 @@ class HostUpdater:
                 self._worker.shutdown(wait=True)
             self.storage.close()
 
-    def _run(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    def _run(self, masters: Sequence[torch.Tensor], grads: Gradients,
              publish: Optional[Callable[[int], None]]) -> None:
         try:
             with threads(self.threads):
@@ -186,21 +212,20 @@ class HostUpdater:
             self.storage.abort()   # every tensor back home, no slot lost; the step failed
             raise
 
-    def _run_records(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    def _run_records(self, masters: Sequence[torch.Tensor], grads: Gradients,
                      publish: Optional[Callable[[int], None]]) -> None:
         count = len(masters)
         if count == 0:
             return
         self._prefetch(masters, 0)
-        host = self._to_host(grads[0], 0)
+        for k in range(count):   # whatever was not streamed during backward goes down now
+            if not self.gradients.fetched(k):
+                self.gradients.fetch(k, grads.shards[k], grads.wire[k])
         for k, master in enumerate(masters):
             if k + 1 < count:
                 self._prefetch(masters, k + 1)
             with self._timed("offload_gradient_wait"):
-                self._wait_staged(k % 2)
-            grad = host
-            if k + 1 < count:
-                host = self._to_host(grads[k + 1], (k + 1) % 2)
+                grad = self.gradients.take(k, grads)
             with self._timed("offload_nvme_read_wait"):
                 self.storage.swap_in(k)
             with self._timed("offload_cpu_adam"):
@@ -246,30 +271,6 @@ class HostUpdater:
                     home.copy_(value)
                 state[key] = home
         return state
-
-    def _to_host(self, grad: torch.Tensor, index: int) -> torch.Tensor:
-        """``grad`` as an fp32 host tensor: itself on CPU, else staging buffer ``index``'s
-        copy (asynchronous from a GPU; ``_wait_staged(index)`` before reading it)."""
-        self._ready[index] = None
-        if grad.device.type == "cpu" and grad.dtype == torch.float32:
-            return grad
-        while len(self._staging) <= index:
-            self._staging.append(self.storage.staging(0))
-        if self._staging[index].numel() < grad.numel():
-            self._staging[index] = self.storage.staging(grad.numel())
-        buffer = self._staging[index][: grad.numel()]
-        buffer.copy_(grad, non_blocking=True)
-        if grad.device.type == "cuda":
-            self._ready[index] = torch.cuda.Event()
-            self._ready[index].record()
-        return buffer
-
-    def _wait_staged(self, index: int) -> None:
-        """Wait for staging copy ``index`` only (not for later work on the stream)."""
-        event, self._ready[index] = self._ready[index], None
-        if event is not None:
-            event.synchronize()
-
 
 class _Timer:
     """Adds a block's seconds to ``updater.timings`` (under its lock: the delayed update's

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from ..comm import Communicator
-from ..flat import FlatLayout
+from ..flat import Block, FlatLayout
+from ..offload import CopyLedger, Gradients
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,10 @@ class Stage(Protocol):
     def take_timings(self) -> dict[str, float]:
         """Seconds by part of the offloaded step since the last call ({} without offload)."""
 
+    @property
+    def copy_ledger(self) -> CopyLedger:
+        """Host <-> device copies by direction (Note "the copy ledger", offload/transfers.py)."""
+
 
 class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
@@ -99,13 +104,38 @@ class BucketedStage:
     optimizer's shards differ between ranks), ``storage`` (where masters live) and
     ``updater`` (``offload.build_updater``: how they are stepped); it implements
     ``shard_records`` (one record per bucket layout, in the same order) and
-    ``publish_record`` (record k's master to the module's parameters; collective).
+    ``publish_record`` (record k's master to the module's parameters; collective). Once
+    its buckets exist it calls ``watch_buckets``.
+
+    Note: records as buckets complete
+        In the boundary micro-step, as each record's last bucket is reduced, its squared
+        norm is taken on the device and, when offloading, its copy to the host starts
+        (``updater.stream``); the step then only sums the squares and waits for the
+        copies it needs, record by record.
     """
 
     _boundary = True
 
+    def watch_buckets(self) -> None:
+        """Follow bucket completion (Note: records as buckets complete)."""
+        self._squares: dict[int, torch.Tensor] = {}
+        self._blocks_left: dict[int, int] = {}
+        self.buckets.on_reduced = self._on_block_reduced
+
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = boundary
+        if boundary and not self.buckets.active:
+            self._squares = {}
+            self._blocks_left = {g: len(layout.blocks)
+                                 for g, layout in enumerate(self.buckets.layouts)}
+
+    def _on_block_reduced(self, g: int, block: Block) -> None:
+        self._blocks_left[g] -= 1
+        if self._blocks_left[g]:
+            return
+        shard = self.buckets.reduced_shard(g)
+        self._squares[g] = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
+        self.updater.stream(g, shard, self.buckets.exact_dtype(g))
 
     def finish_backward(self) -> None:
         self.buckets.finish()
@@ -119,12 +149,15 @@ class BucketedStage:
         records = self.shard_records()
         summed = [self.buckets.reduced_shard(i) for i in range(len(records))]
         grads = prepare_gradients(records, summed, comm=self.comm, sharded=self.sharded,
-                                  grad_scale=grad_scale, clip=clip)
+                                  grad_scale=grad_scale, clip=clip,
+                                  wire=[self.buckets.exact_dtype(i) for i in range(len(records))],
+                                  squares=getattr(self, "_squares", {}))
         if isinstance(grads, StepOutcome):   # inf/nan: nothing is stepped
+            self.updater.forget()
             self.zero_grad()
             return grads
         # the update (offload/updater.py: on the device, or record by record on the host)
-        self.updater.step([r.master for r in records], grads.shards,
+        self.updater.step([r.master for r in records], grads.gradients,
                           publish=self.publish_record)
         if not self.updater.delayed:
             self.finish_publish()
@@ -165,47 +198,51 @@ class BucketedStage:
         """Seconds by part of the offloaded step since the last call ({} without offload)."""
         return self.updater.take_timings()
 
+    @property
+    def copy_ledger(self) -> CopyLedger:
+        return self.storage.transfers.ledger
+
 
 _CATEGORY = {"device": "", "host": "host_", "nvme": "nvme_"}  # memory_breakdown prefixes
 
 
 @dataclass(frozen=True, slots=True)
 class PreparedGradients:
-    shards: list[torch.Tensor]   # per record: fp32, averaged, unscaled and clipped
+    gradients: Gradients   # per record: the reduced shard and how to finish it
     norm: float
 
 
 def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Tensor], *,
-                      comm: Communicator, sharded: bool, grad_scale: float,
-                      clip: float) -> "PreparedGradients | StepOutcome":
+                      comm: Communicator, sharded: bool, grad_scale: float, clip: float,
+                      wire: Sequence[torch.dtype] = (),
+                      squares: Optional[Mapping[int, torch.Tensor]] = None
+                      ) -> "PreparedGradients | StepOutcome":
     """What every stage does before the update (Note "one step" in ``stages/zero12.py``).
 
-    ``summed[i]`` is record i's gradient shard summed over ranks. It is averaged, cast to
-    fp32, measured (global L2 norm: one scalar all-reduce when ``sharded``), unscaled and
-    clipped in one multiply, on the device that holds it. On inf/nan the result is the
-    failed StepOutcome naming the first parameter affected.
+    ``summed[i]`` is record i's gradient shard summed over ranks, left as it is: the update
+    averages, unscales and clips it (Note "one arithmetic" in ``offload/gradients.py``).
+    Here the global L2 norm of the averaged, unscaled gradient is taken (one scalar
+    all-reduce when ``sharded``), from ``squares[i]`` where a record's squared norm was
+    already taken as its buckets completed. On inf/nan the result is the failed
+    StepOutcome naming the first parameter affected.
     """
     world = comm.world_size
-    grads = []
-    for record, shard in zip(records, summed):
-        if world > 1:
-            shard.div_(world)
-        grads.append(shard if shard.dtype == torch.float32 else shard.float())
-    sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
-    for grad in grads:
-        sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    squares = squares or {}
+    sq = torch.zeros(1, dtype=torch.float32, device=summed[0].device if summed else None)
+    for i, shard in enumerate(summed):
+        part = squares.get(i)
+        sq += part if part is not None else torch.linalg.vector_norm(
+            shard, dtype=torch.float32).square()
     if sharded:
         comm.all_reduce(sq, label="gradient norm")
-    norm = float(sq.sqrt().item()) / grad_scale
+    norm = float(sq.sqrt().item()) / world / grad_scale
     if not math.isfinite(norm):
-        return StepOutcome(False, norm, _nonfinite_names(records, grads, comm, sharded))
+        return StepOutcome(False, norm, _nonfinite_names(records, summed, comm, sharded))
     coef = 1.0 / grad_scale
     if clip > 0:
         coef *= min(1.0, clip / (norm + 1e-6))
-    if coef != 1.0:
-        for grad in grads:
-            grad.mul_(coef)
-    return PreparedGradients(grads, norm)
+    wire = list(wire) or [shard.dtype for shard in summed]
+    return PreparedGradients(Gradients(list(summed), wire, world, coef), norm)
 
 
 def _nonfinite_names(records: Sequence[ShardRecord], grads: Sequence[torch.Tensor],

@@ -11,11 +11,14 @@ Note: one step
     1. backward hooks hand each parameter's gradient to the buckets, which reduce it over
        ranks; the buckets end holding, per group, this rank's shard of the *summed*
        gradient;
-    2. ``BucketedStage.step`` (stages/base.py) divides by the world size, casts to fp32, takes the
-       global norm (one scalar all-reduce when sharded), skips on inf/nan, unscales and
-       clips in one multiply, and steps the optimizer over the fp32 shards;
-    3. the updated shards are cast to the parameter dtype and all-gathered block by block
-       straight into the module's parameters (two pieces in flight at most).
+    2. ``BucketedStage.step`` (stages/base.py) takes the global norm (one scalar all-reduce
+       when sharded, from squares taken as the buckets completed) and skips on inf/nan; the
+       update casts each shard to fp32, divides by the world size, unscales and clips in
+       one multiply (on the host when offloading: ``offload/gradients.py``) and steps the
+       optimizer over the fp32 shards;
+    3. the updated shards are cast to the parameter dtype (on the host when offloading, so
+       16 bits cross to the device) and all-gathered block by block straight into the
+       module's parameters (two pieces in flight at most).
 """
 from __future__ import annotations
 
@@ -81,7 +84,8 @@ class ShardedDataParallel(BucketedStage):
         self.updater.attach([g.master for g in self.groups])
         self.buckets = plan.buckets([g.layout for g in self.groups], comm,
                                     accum_dtype=policy.grad_accum_dtype, device=self.device,
-                                    overlap=plan.overlap_comm)
+                                    overlap=plan.overlap_comm, comm_dtype=policy.reduce_dtype)
+        self.watch_buckets()
         self._hooks = [
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
             for g, group in enumerate(self.groups) for i, param in enumerate(group.params)]
@@ -127,10 +131,10 @@ class ShardedDataParallel(BucketedStage):
         group = self.groups[k]
         if group.aliased:
             return
-        # the cast runs on the device, after a copy that waits only where it must
-        shard = group.master.to(device=self.device,
-                                non_blocking=self.storage.sends_asynchronously(group.master)
-                                ).to(self.policy.param_dtype)
+        if self.storage.on_host:   # cast on the host, 16 bits up (offload/transfers.py)
+            shard = self.storage.transfers.upload(group.master, self.policy.param_dtype)
+        else:
+            shard = group.master.to(self.policy.param_dtype)
         if group.layout.world > 1:
             self._gather_into_params(group, shard)
             return
@@ -182,6 +186,7 @@ class ShardedDataParallel(BucketedStage):
             "parameters": params,
             "gradients": self.buckets.tensors() + [p.grad for p in params],
             self.state_category: [g.master for g in self.groups] + state,
+            "host_gradients": self.updater.host_tensors(),
         }
 
 

@@ -68,10 +68,11 @@ class PartitionedDataParallel(BucketedStage):
         self.param_storage = param_storage
         self.buckets = ReduceScatterEveryMicroStep(
             [s.layout for _, s in self._records], comm, accum_dtype=policy.grad_accum_dtype,
-            device=device, overlap=True)
+            device=device, overlap=bool(zero_config.overlap_comm),
+            comm_dtype=policy.reduce_dtype)
+        self.watch_buckets()
         self.scheduler = UnitScheduler(self.units, GatherPolicy(
-            prefetch_numel=int(zero_config.stage3_prefetch_bucket_size)
-            if zero_config.overlap_comm else 0,
+            prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
             max_live_numel=int(zero_config.stage3_max_live_parameters),
             max_reuse_distance=int(zero_config.stage3_max_reuse_distance)))
         self._handles = install_module_hooks(module, self.units, self.scheduler)
@@ -109,8 +110,14 @@ class PartitionedDataParallel(BucketedStage):
         if k == 0 and self.param_storage.on_host and self.units[0].device.type == "cuda":
             # host shards may still be read by queued host-to-device copies of the last
             # backward (with dpu this runs right after it): let those land first
-            torch.cuda.current_stream(self.units[0].device).synchronize()
+            self.param_storage.transfers.synchronize()
         unit, s = self._records[k]
+        if (self.storage.on_host and not self.param_storage.on_host
+                and unit.shard is not unit.master):
+            # fp32 master on the host, 16-bit shard on the device: cast on the host, 2 bytes up
+            self.storage.transfers.upload(self._masters[k], unit.shard.dtype, out=unit.shard[
+                s.column: s.column + s.layout.shard_numel])
+            return
         unit.refresh_slice(s, self._masters[k])
 
     def finish_publish(self) -> None:
@@ -150,7 +157,8 @@ class PartitionedDataParallel(BucketedStage):
                  "nvme": "nvme_parameters"}[self.param_storage.kind]
         return {"parameters": full, where: shards,
                 "gradients": self.buckets.tensors(),
-                self.state_category: [u.master for u in self.units] + state}
+                self.state_category: [u.master for u in self.units] + state,
+                "host_gradients": self.updater.host_tensors()}
 
 
 def _device_of(module: nn.Module) -> torch.device:

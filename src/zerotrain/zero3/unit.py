@@ -61,6 +61,7 @@ class Unit:
         self.shard_numel = sum(s.layout.shard_numel for s in self.slices)
         self.numel = spec.numel
         self.master = self._initial_master(storage)
+        self._send = shard_storage.send   # host shards go up on a side stream
         if not policy.has_master_copy and not storage.on_host and not shard_storage.on_host:
             self.shard = self.master
         else:  # masters and shards live apart (16-bit training, or offload)
@@ -126,10 +127,10 @@ class Unit:
             return
         world = self.comm.world_size
         out = torch.empty(world * self.shard_numel, dtype=self.shard.dtype, device=self.device)
-        shard = self.shard if self.shard.device == out.device else self.shard.to(
-            out.device, non_blocking=True)
-        work = self.comm.all_gather(out, shard, async_op=True,
-                                    label=f"unit {self.spec.name or '<root>'}")
+        shard, launch_after_copy = self._send(self.shard, out.device)
+        with launch_after_copy:   # Note "copy streams" in offload/transfers.py
+            work = self.comm.all_gather(out, shard, async_op=True,
+                                        label=f"unit {self.spec.name or '<root>'}")
         self._pending = (work, out.view(world, self.shard_numel))
         P.mark(self.spec.params, P.ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING

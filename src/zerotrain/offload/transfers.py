@@ -1,0 +1,152 @@
+"""Copies between the host and the training device: on side streams, and counted.
+
+Note: copy streams
+    Host-to-device copies (16-bit parameters after the host step, stage-3 shards kept on the
+    host) run on their own CUDA stream, so they overlap the compute stream instead of
+    queueing behind it; device-to-host gradient copies run on another. Each side stream
+    first waits for the work already queued on the compute stream (the memory a new tensor
+    takes may have been read by it a moment ago), a copy records an event, and whoever
+    reads the result waits on that event only: the compute stream through
+    ``wait_event``, the host through ``Event.synchronize``. A device tensor made on a side
+    stream and used elsewhere is marked with ``record_stream`` so the allocator does not
+    hand its memory out again before that use is done. A stage-3 all-gather of a host shard
+    is launched with the copy stream current, so NCCL waits for the copy rather than for
+    the compute stream.
+
+Note: the copy ledger
+    :class:`CopyLedger` counts, beside the collective ledger, the bytes each copy between
+    the host and the device moves, by direction (``to_device``, ``to_host``). It counts the
+    copies the code issues where offloaded state crosses to or from the device, so on a
+    CPU-only machine, where both sides are host memory, the counts are the ones a GPU run
+    makes. Offload moves 16-bit values both ways: gradients go down in the dtype they were
+    reduced in when that holds them exactly (2 bytes per element for bf16 gradients
+    reduced in bf16), and parameters go up cast to the parameter dtype on the host side of
+    the fp32 master.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import ContextManager, Optional
+
+import torch
+
+TO_DEVICE, TO_HOST = "to_device", "to_host"
+
+
+@dataclass
+class CopyLedger:
+    """Host <-> device copies and their bytes, by direction."""
+
+    calls: Counter = field(default_factory=Counter)
+    nbytes: Counter = field(default_factory=Counter)
+
+    def record(self, direction: str, tensor: torch.Tensor) -> None:
+        self.calls[direction] += 1
+        self.nbytes[direction] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.nbytes.clear()
+
+    def snapshot(self) -> dict:
+        return {"calls": dict(self.calls), "bytes": dict(self.nbytes)}
+
+
+class Transfers:
+    """Issues and counts the copies of one rank (Notes above); one per stage."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.ledger = CopyLedger()
+        self._streams: dict[str, "torch.cuda.Stream"] = {}
+        self._slots: list[Optional[torch.Tensor]] = [None, None]   # pinned 16-bit uploads
+        self._slot_events: list[Optional["torch.cuda.Event"]] = [None, None]
+        self._next_slot = 0
+
+    def _stream(self, direction: str) -> "torch.cuda.Stream":
+        if direction not in self._streams:
+            self._streams[direction] = torch.cuda.Stream(self.device)
+        stream = self._streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return stream
+
+    # ------------------------------------------------------------------ down
+    def to_host(self, out: torch.Tensor, grad: torch.Tensor) -> Optional["torch.cuda.Event"]:
+        """Copy ``grad`` (on the device, in ``out``'s dtype) into host tensor ``out``.
+
+        Returns the event to synchronize on before reading ``out`` (None: done already).
+        """
+        self.ledger.record(TO_HOST, grad)
+        if grad.device.type != "cuda":
+            out.copy_(grad)
+            return None
+        stream = self._stream(TO_HOST)
+        with torch.cuda.stream(stream):
+            out.copy_(grad, non_blocking=out.is_pinned())
+            done = torch.cuda.Event()
+            done.record(stream)
+        grad.record_stream(stream)
+        return done
+
+    # ------------------------------------------------------------------ up
+    def upload(self, master: torch.Tensor, dtype: torch.dtype,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``master`` (fp32, on the host) as ``dtype`` on the device, cast on the host.
+
+        The cast goes into one of two pinned slots, so the next record's cast overlaps this
+        record's copy; the copy runs on the upload stream and the compute stream waits for
+        it. With ``out`` (a device tensor) the values land there; otherwise a new tensor is
+        returned. On a CPU device the slot itself (or ``out``) is the result.
+        """
+        slot = self._slot(master.numel(), dtype)
+        slot.copy_(master)
+        self.ledger.record(TO_DEVICE, slot)
+        if not self.cuda:
+            return slot if out is None else out.copy_(slot)
+        stream = self._stream(TO_DEVICE)
+        with torch.cuda.stream(stream):
+            target = out if out is not None else torch.empty(
+                slot.shape, dtype=dtype, device=self.device)
+            target.copy_(slot, non_blocking=slot.is_pinned())
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._slot_events[self._next_slot ^ 1] = done   # the slot just used
+        torch.cuda.current_stream(self.device).wait_event(done)
+        target.record_stream(torch.cuda.current_stream(self.device))
+        return target
+
+    def _slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        index = self._next_slot
+        self._next_slot ^= 1
+        event, self._slot_events[index] = self._slot_events[index], None
+        if event is not None:
+            event.synchronize()   # the copy that last read this slot has landed
+        slot = self._slots[index]
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if slot is None or slot.numel() < nbytes:
+            slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self._slots[index] = slot
+        return slot[:nbytes].view(dtype)
+
+    def send(self, shard: torch.Tensor, device: torch.device
+             ) -> tuple[torch.Tensor, ContextManager]:
+        """A host shard (already in its dtype) on ``device``, for an all-gather: returns the
+        device tensor and the context to launch the collective in (Note: copy streams)."""
+        self.ledger.record(TO_DEVICE, shard)
+        if torch.device(device).type != "cuda":
+            return shard, contextlib.nullcontext()
+        stream = self._stream(TO_DEVICE)
+        with torch.cuda.stream(stream):
+            on_device = shard.to(device, non_blocking=shard.is_pinned())
+        return on_device, torch.cuda.stream(stream)
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far (before host memory they read is rewritten)."""
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [s for s in self._slots if s is not None]

@@ -1,0 +1,92 @@
+"""What offload moves between the host and the device, read from the copy ledger
+(Note "the copy ledger" in offload/transfers.py), and that moving 16 bits changes nothing.
+
+On these CPU ranks the host and the device are the same memory, so the ledger counts the
+copies the code issues where offloaded state crosses over: the figures a GPU run moves.
+"""
+import pytest
+import torch
+
+import reference as R
+
+STEPS = 2
+
+
+def _train(rank, world, stage, offload, ga, clip=0.5, precision="bf16"):
+    import zerotrain
+    config = R.engine_config(stage=stage, ga=ga, clip=clip, precision=precision,
+                             overlap=True)
+    config["optimizer"]["params"]["fused"] = True   # the host's kernel on both sides
+    zero = config["zero_optimization"]
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload == "cpu+param":
+        zero["offload_param"] = {"device": "cpu"}
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engine.copy_ledger.reset()
+    engine.comm.ledger.reset()
+    R.train_engine(engine, steps=STEPS, rank=rank, ga=ga)
+    shard = sum(r.master.numel() for r in engine.stage.shard_records())
+    out = {"copies": engine.copy_ledger.snapshot()["bytes"], "shard": shard,
+           "gathered": engine.comm.ledger.nbytes["all_gather"] // world}
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        out["weights"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return out
+
+
+def _grid(rank, world):
+    out = {}
+    for stage, offload, ga in ((2, "cpu", 1), (2, "cpu", 2), (1, "cpu", 1),
+                               (3, "cpu", 1), (3, "cpu+param", 1)):
+        out[(stage, offload, ga)] = (_train(rank, world, stage, offload, ga),
+                                     _train(rank, world, stage, None, ga))
+    return out
+
+
+def test_offload_moves_16_bit_both_ways_and_trains_bit_for_bit_like_no_offload(worlds):
+    per_rank = worlds.run(2, _grid)
+    for case in per_rank[0]:
+        stage, offload, ga = case
+        down = sum(r[case][0]["copies"].get("to_host", 0) for r in per_rank)
+        up = sum(r[case][0]["copies"].get("to_device", 0) for r in per_rank)
+        psi = sum(r[case][0]["shard"] for r in per_rank)   # Ψ, padded to the world size
+        # bf16 gradients reduced in bf16 are exact in 16 bits; an fp32 sum of two
+        # micro-steps is not, and goes down in fp32
+        assert down == (2 if ga == 1 else 4) * psi * STEPS, (case, down, psi)
+        if offload == "cpu+param":   # the shards live on the host: up before every gather
+            for rank in per_rank:
+                got = rank[case][0]
+                assert got["copies"]["to_device"] == got["gathered"] > 0, (case, got)
+        else:
+            assert up == 2 * psi * STEPS, (case, up, psi)
+        for rank in per_rank:
+            got, plain = rank[case]
+            assert plain["copies"] == {}, "nothing crosses without offload"
+            for name, value in got["weights"].items():
+                assert torch.equal(value, plain["weights"][name]), (case, name)
+
+
+def _one_step(rank, world, stage):
+    import zerotrain
+    config = R.engine_config(stage=stage, precision="bf16", overlap=True)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
+    loss = engine(*R.micro_batch(0, rank, 0))
+    engine.backward(loss)
+    after_backward = dict(engine.copy_ledger.nbytes)
+    engine.step()
+    after_step = dict(engine.copy_ledger.nbytes)
+    shard = sum(r.master.numel() for r in engine.stage.shard_records())
+    engine.close()
+    return after_backward, after_step, shard
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_stream_down_during_backward(worlds, stage):
+    """In the boundary micro-step each record's gradient copy starts as its buckets
+    complete, before backward returns; the step waits for copies, it does not issue them."""
+    for after_backward, after_step, shard in worlds.run(2, _one_step, stage):
+        assert after_backward.get("to_host") == 2 * shard
+        assert after_step["to_host"] == 2 * shard

@@ -43,13 +43,20 @@ def test_plan_reads_devices_and_delay():
     assert not OffloadPlan.from_config(_zero(stage=2)).optimizer_offloaded
 
 
-def test_nvme_path_must_exist(tmp_path):
-    with pytest.raises(ConfigError, match="not an existing directory") as err:
-        NvmeStorage(str(tmp_path / "missing"), rank=0)
+def test_nvme_path_is_created_or_refused_naming_the_key(tmp_path):
+    """A missing directory is created (as DeepSpeed does); one that cannot be is a
+    ConfigError naming the section's key."""
+    storage = NvmeStorage(str(tmp_path / "new" / "dir"), rank=0)
+    assert os.path.isdir(tmp_path / "new" / "dir")
+    storage.close()
+    (tmp_path / "file").write_text("")
+    impossible = str(tmp_path / "file" / "sub")     # under a regular file
+    with pytest.raises(ConfigError, match="cannot be created") as err:
+        NvmeStorage(impossible, rank=0)
     assert err.value.path == "zero_optimization.offload_optimizer.nvme_path"
     plan = OffloadPlan.from_config(_zero(
         stage=3, offload_optimizer={"device": "cpu"},
-        offload_param={"device": "nvme", "nvme_path": str(tmp_path / "missing")}))
+        offload_param={"device": "nvme", "nvme_path": impossible}))
     with pytest.raises(ConfigError) as err:
         build_param_storage(plan, rank=0, device=torch.device("cpu"))
     assert err.value.path == "zero_optimization.offload_param.nvme_path"

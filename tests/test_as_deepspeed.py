@@ -113,3 +113,27 @@ def test_switch_names_what_is_missing_and_is_undone_by_uninstall():
     assert "deepspeed" not in sys.modules
     with pytest.raises(ModuleNotFoundError):
         import deepspeed  # noqa: F401,F811
+
+
+def test_runner_without_a_launcher_passes_local_rank_zero_like_deepspeeds(tmp_path,
+                                                                           monkeypatch):
+    from zerotrain import as_deepspeed
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "0")   # recorded, so what main() sets is undone afterwards
+        monkeypatch.delenv(key)
+    script = tmp_path / "script.py"
+    script.write_text("import sys, json, deepspeed, deepspeed.accelerator\n"
+                      "json.dump({'argv': sys.argv[1:], 'name': __name__,\n"
+                      "           'device': deepspeed.accelerator.get_accelerator()"
+                      ".device_name()}, open(sys.argv[-1], 'w'))\n")
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert as_deepspeed.main([str(script), "--flag", str(out)]) == 0
+        assert as_deepspeed.main(["--no_local_rank", str(script), str(out) + "2"]) == 0
+    finally:
+        as_deepspeed.uninstall()
+    assert json.loads(out.read_text()) == {"argv": ["--local_rank=0", "--flag", str(out)],
+                                           "name": "__main__", "device": "cpu"}
+    assert json.loads((tmp_path / "out.json2").read_text())["argv"] == [str(out) + "2"]

@@ -12,7 +12,8 @@ a missing attribute raises ``AttributeError`` naming it. The real DeepSpeed is n
 shadowed: when it is importable, :func:`install` refuses with :class:`DeepSpeedInstalledError`.
 
 Like DeepSpeed's launcher, the runner passes ``--local_rank=<LOCAL_RANK>`` to the script
-when a launcher set ``LOCAL_RANK`` (``--no_local_rank`` turns that off, as in DeepSpeed).
+(``--no_local_rank`` turns that off, as in DeepSpeed). Run without a launcher, it sets
+``LOCAL_RANK=0`` first, as a launcher of one process would.
 
 Note: aliases, not copies
     Each ``deepspeed.X`` is a small module object that forwards attribute reads to its
@@ -175,6 +176,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     target, args = argv[0], argv[1:]
     install()
+    if not any(k in os.environ for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):
+        os.environ["LOCAL_RANK"] = "0"   # no launcher: one process, as a launcher of one
     if not no_local_rank and "LOCAL_RANK" in os.environ:
         args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
     if as_module:

@@ -229,7 +229,11 @@ class ZeroEngine(nn.Module):
         """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with
         offload also host_optimizer_state or nvme_optimizer_state (file-backed),
         host_parameters (stage-3 shards kept on the host) and host_gradients (the gradient
-        shard in its wire dtype and the upload slots of the host step).
+        shard in its wire dtype and the upload slots of the host step). Stage 3 adds two
+        figures that are not held now: gathered_after_forward, the bytes of gathered
+        parameters kept from the end of the last forward to its backward (the prefetch
+        window; what autograd saved of them holds no memory), and
+        peak_gathered_after_forward, the highest so far.
 
         Counts distinct storages, so views of one flat buffer count once.
         """
@@ -242,7 +246,7 @@ class ZeroEngine(nn.Module):
             if tensors:
                 ledger.add(category, tensors)
         ledger.add("buffers", list(self.module.buffers()))
-        return dict(ledger.bytes)
+        return {**ledger.bytes, **self.stage.memory_peaks()}
 
     def communication_breakdown(self) -> dict[str, Any]:
         """Bytes this rank's collectives carried since the last call, by reach and operation:

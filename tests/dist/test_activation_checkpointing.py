@@ -70,24 +70,37 @@ def _restored_checkpointing():
 
 
 def _watch_releases(engine) -> list:
-    """Names of units still gathered right after their last gradient arrived (stage 3)."""
+    """Names of units still gathered when backward moved on to another unit after their
+    last gradient arrived (stage 3): a unit is released as soon as its backward is done."""
     scheduler = engine.stage.scheduler
     needed = {u.spec.index: sum(p.requires_grad for p in u.spec.params)
               for u in scheduler.units}
     arrived: dict = {}
+    done: set = set()
     late: list = []
-    original = scheduler.gradient_arrived
+    gradient_arrived, before_backward = scheduler.gradient_arrived, scheduler.before_backward
 
-    def gradient_arrived(index):
-        original(index)
+    def on_gradient(index):
+        gradient_arrived(index)
         arrived[index] = arrived.get(index, 0) + 1
-        unit = scheduler.units[index]
         if arrived[index] == needed[index]:
             arrived[index] = 0
-            if unit.full is not None and not unit.spec.deps:
-                late.append(unit.spec.name or "<root>")
+            done.add(index)
 
-    scheduler.gradient_arrived = gradient_arrived
+    def on_backward(index):
+        for i in sorted(done - {index}):
+            unit = scheduler.units[i]
+            if unit.full.untyped_storage().nbytes() and not unit.spec.deps:
+                late.append(unit.spec.name or "<root>")
+        done.clear()
+        before_backward(index)
+
+    def on_end(end_backward=scheduler.end_backward):
+        done.clear()
+        end_backward()
+
+    scheduler.gradient_arrived, scheduler.before_backward = on_gradient, on_backward
+    scheduler.end_backward = on_end
     return late
 
 

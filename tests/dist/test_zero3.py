@@ -186,7 +186,7 @@ def _peak_live(rank, world, knobs):
     for _ in range(3):  # the first pass records the order; later ones prefetch
         engine.backward(engine(x))
         engine.step()
-    live_after = sum(u.numel for u in engine.stage.units if u.full is not None)
+    live_after = sum(u.numel for u in engine.stage.units if u.full.untyped_storage().nbytes())
     return {"peak": engine.stage.scheduler.peak_live_numel, "live_after": live_after,
             "block": 16 * 16 + 16}
 
@@ -257,12 +257,12 @@ def _no_grad_forward_releases(rank, world):
     engine.eval()
     with torch.no_grad():
         engine(x)
-    after_eval = sum(u.numel for u in engine.stage.units if u.full is not None)
+    after_eval = sum(u.numel for u in engine.stage.units if u.full.untyped_storage().nbytes())
     engine.train()
     engine(x)  # a forward with grad but no backward, then a normal step
     engine.backward(engine(x))
     engine.step()
-    after_step = sum(u.numel for u in engine.stage.units if u.full is not None)
+    after_step = sum(u.numel for u in engine.stage.units if u.full.untyped_storage().nbytes())
     return after_eval, after_step
 
 

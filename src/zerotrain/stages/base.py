@@ -95,6 +95,9 @@ class Stage(Protocol):
     def copy_ledger(self) -> CopyLedger:
         """Host <-> device copies by direction (Note "the copy ledger", offload/transfers.py)."""
 
+    def memory_peaks(self) -> dict[str, int]:
+        """Figures for ``memory_breakdown`` that are not tensors held now (bytes)."""
+
 
 class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
@@ -175,6 +178,9 @@ class BucketedStage:
 
     def frozen_records(self) -> list[ShardRecord]:
         return []
+
+    def memory_peaks(self) -> dict[str, int]:
+        return {}
 
     def settle(self) -> None:
         """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""

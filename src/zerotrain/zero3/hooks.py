@@ -3,9 +3,29 @@
 Note: holders
     A unit is gathered while someone holds it: its own forward (pre-hook to post-hook), a
     module of another unit that depends on it, or its backward (from the moment the gradient
-    of its forward output is computed until all its parameters have their gradients). The
-    last holder to let go releases it. Whatever is still gathered when backward ends is
-    released then, so nothing gathered outlives a micro-step's backward.
+    of its forward output is computed until every use of its parameters in backward is
+    done). The last holder to let go releases it (``unit.py``, Note: freed storage). Whatever
+    is still gathered when backward ends is released then, so nothing gathered outlives a
+    micro-step's backward.
+
+Note: end of a unit's backward
+    Gradients of the trainable parameters are not enough to know that backward is done with
+    a unit: a frozen parameter (a LoRA model's layer norm before a LoRA linear) is used to
+    compute the gradient of the unit's input after the trainable ones have theirs. So the
+    forward pre-hook passes the unit's inputs that require grad through an identity autograd
+    function (FSDP2's ``RegisterPostBackwardFunction``); its backward runs once the
+    gradients of all those inputs are computed, which is after every operation of the unit
+    that backward runs. A unit is released in backward when both happened: its trainable
+    parameters have their gradients, and, if its forward had inputs that require grad,
+    that function ran. Inputs that need no gradient need no frozen parameter in backward
+    either, except to reach the unit's own trainable parameters, which come later.
+
+Note: entry points
+    A unit is gathered by whichever of its modules runs first: the module that roots the unit,
+    and every module that owns (or uses, as a tied or external parameter) one of its
+    parameters. A per-unit depth counter makes only the outermost of nested calls gather
+    and release, so a wrapper that calls a submodule (an embedding, ``generate`` of an inner
+    model) directly sees its parameters gathered as the whole model's forward would.
 
 Note: trace and prefetch
     Every acquisition (unit, in forward or backward order) is recorded during a pass. From
@@ -24,12 +44,14 @@ Note: trace and prefetch
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .unit import Unit, UnitState
 
@@ -58,7 +80,13 @@ class UnitScheduler:
         self._arrived: dict[int, int] = {}
         self._needed = {u.spec.index: sum(p.requires_grad for p in u.spec.params)
                         for u in units}
+        self._expects_inputs: set[int] = set()   # Note: end of a unit's backward
+        self._inputs_done: set[int] = set()
+        self._depth = [0] * len(units)           # Note: entry points
+        self._in_backward = False
         self.peak_live_numel = 0  # high-water mark of gathered (non-persistent) elements
+        self.after_forward_numel = 0       # gathered when the last backward began
+        self.peak_after_forward_numel = 0  # the highest of those
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self) -> None:
@@ -81,8 +109,28 @@ class UnitScheduler:
         self._kept.clear()
         self._backward_held.clear()
         self._arrived.clear()
+        self._expects_inputs.clear()
+        self._inputs_done.clear()
+        self._in_backward = False
 
     # ------------------------------------------------------------------ forward
+    def enter(self, index: int) -> bool:
+        """A module of the unit starts its forward; the outermost (Note: entry points)
+        gathers the unit and returns True."""
+        if self._depth[index] == 0:
+            self.before_forward(index)
+        self._depth[index] += 1
+        return self._depth[index] == 1
+
+    def leave(self, index: int) -> bool:
+        """A module of the unit ends its forward; the outermost lets go of the unit and
+        returns True."""
+        self._depth[index] = max(0, self._depth[index] - 1)
+        if self._depth[index]:
+            return False
+        self.after_forward(index)
+        return True
+
     def before_forward(self, index: int) -> None:
         self._record(index)
         if index in self._kept:
@@ -97,12 +145,22 @@ class UnitScheduler:
         else:
             self._let_go(index)
 
+    def expect_inputs_backward(self, index: int) -> None:
+        """The unit's forward had inputs that require grad (Note: end of a unit's backward)."""
+        self._expects_inputs.add(index)
+
     # ------------------------------------------------------------------ backward
     def before_backward(self, index: int) -> None:
+        if not self._in_backward:   # forward is over: what is gathered now stays till backward
+            self._in_backward = True
+            self.after_forward_numel = self._live_numel()
+            self.peak_after_forward_numel = max(self.peak_after_forward_numel,
+                                                self.after_forward_numel)
         if index in self._backward_held:
             return
         self._record(index)
         self._backward_held.add(index)
+        self._inputs_done.discard(index)
         if index in self._kept:
             self._kept.discard(index)  # the forward's hold becomes the backward's
             self._prefetch()
@@ -112,7 +170,17 @@ class UnitScheduler:
     def gradient_arrived(self, index: int) -> None:
         """One of the unit's parameters has its gradient of this micro-step."""
         self._arrived[index] = self._arrived.get(index, 0) + 1
-        if self._arrived[index] == self._needed[index] and index in self._backward_held:
+        self._maybe_done(index)
+
+    def inputs_backward_done(self, index: int) -> None:
+        """The gradients of the unit's inputs are computed (Note: end of a unit's backward)."""
+        self._inputs_done.add(index)
+        self._maybe_done(index)
+
+    def _maybe_done(self, index: int) -> None:
+        if (index in self._backward_held
+                and self._arrived.get(index, 0) >= self._needed[index]
+                and (index not in self._expects_inputs or index in self._inputs_done)):
             self._backward_held.discard(index)
             self._let_go(index)
 
@@ -148,6 +216,11 @@ class UnitScheduler:
         self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
     def _record(self, index: int) -> None:
+        if len(self._recording) > 8 * len(self.units) + 64:
+            # no pass is being delimited (only submodules are called, as by a wrapper's
+            # generate): stop recording rather than grow, and stop following the trace
+            self._recording.clear()
+            self._trace, self._following = None, False
         self._recording.append(index)
         if not self._following:
             return
@@ -198,24 +271,75 @@ class UnitScheduler:
 
 def install_module_hooks(root: nn.Module, units: list[Unit],
                          scheduler: UnitScheduler) -> list[Any]:
-    """Forward hooks on every unit's module; the root's pre-hook also starts a pass."""
+    """Forward hooks on every module that roots or uses a unit (Note: entry points); the
+    root's pre-hook also starts a pass."""
     handles = [root.register_forward_pre_hook(lambda m, a: scheduler.begin_pass())]
-    for unit in units:
-        if unit.spec.persistent:
-            continue
-        index = unit.spec.index
-        handles.append(unit.spec.module.register_forward_pre_hook(
-            lambda m, a, i=index: scheduler.before_forward(i)))
-        # always_call: a forward that raises still lets go of its unit (torch's checkpoint
-        # ends a recomputation by raising inside the last operation that saves a tensor)
-        handles.append(unit.spec.module.register_forward_hook(
-            lambda m, a, out, i=index: _after_forward(scheduler, i, out), always_call=True))
+    for module, indices in _unit_users(root, units).items():
+        for index in indices:
+            handles.append(module.register_forward_pre_hook(
+                functools.partial(_before_forward, scheduler, index), with_kwargs=True))
+            # always_call: a forward that raises still lets go of its unit (torch's
+            # checkpoint ends a recomputation by raising inside the last operation that
+            # saves a tensor)
+            handles.append(module.register_forward_hook(
+                functools.partial(_after_forward, scheduler, index), always_call=True))
     return handles
 
 
-def _after_forward(scheduler: UnitScheduler, index: int, output: Any) -> None:
-    scheduler.after_forward(index)
-    if not torch.is_grad_enabled():
+def _unit_users(root: nn.Module, units: list[Unit]) -> dict[nn.Module, list[int]]:
+    """Module -> the non-persistent units it needs gathered when called on its own."""
+    owner = {id(p): u.spec.index for u in units if not u.spec.persistent
+             for p in u.spec.params}
+    users: dict[nn.Module, list[int]] = {}
+    for unit in units:
+        if not unit.spec.persistent:
+            users.setdefault(unit.spec.module, []).append(unit.spec.index)
+    for module in root.modules():
+        used = list(module.parameters(recurse=False))
+        used += getattr(module, "_zerotrain_external_params", [])
+        own = users.get(module, [])
+        for p in used:
+            index = owner.get(id(p))
+            if index is not None and index not in own:
+                own.append(index)
+        if own:
+            users[module] = own
+    return users
+
+
+class _InputsBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward marks the end of the unit's backward
+    (Note: end of a unit's backward)."""
+
+    @staticmethod
+    def forward(ctx, scheduler: UnitScheduler, index: int, *inputs: torch.Tensor):
+        ctx.scheduler, ctx.index = scheduler, index
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.scheduler.inputs_backward_done(ctx.index)
+        return (None, None) + grads
+
+
+def _before_forward(scheduler: UnitScheduler, index: int, module: nn.Module,
+                    args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    if not scheduler.enter(index) or not torch.is_grad_enabled():
+        return None
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not at:
+        return None
+    scheduler.expect_inputs_backward(index)
+    passed = _InputsBackward.apply(scheduler, index, *(flat[i] for i in at))
+    for i, tensor in zip(at, passed):
+        flat[i] = tensor
+    return pytree.tree_unflatten(flat, spec)
+
+
+def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args: Any,
+                   output: Any) -> None:
+    if not scheduler.leave(index) or not torch.is_grad_enabled():
         return
     fired = []
 

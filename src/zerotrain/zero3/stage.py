@@ -147,12 +147,19 @@ class PartitionedDataParallel(BucketedStage):
                 master=unit.master_view(s), optimizer_state={}, group_index=FROZEN))
         return out
 
+    def memory_peaks(self) -> dict[str, int]:
+        """Bytes of gathered parameters between forward and backward: when the last backward
+        began, and the highest of those so far."""
+        size = self.units[0].full.element_size() if self.units else 0
+        return {"gathered_after_forward": self.scheduler.after_forward_numel * size,
+                "peak_gathered_after_forward": self.scheduler.peak_after_forward_numel * size}
+
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         # list(): a delayed update's worker may be adding state entries meanwhile
         state = [t for st in list(self.optimizer.state.values()) for t in list(st.values())
                  if isinstance(t, torch.Tensor)]
         shards = [u.shard for u in self.units]
-        full = [u.full for u in self.units if u.full is not None]
+        full = [u.full for u in self.units]
         where = {"device": "parameters", "host": "host_parameters",
                  "nvme": "nvme_parameters"}[self.param_storage.kind]
         return {"parameters": full, where: shards,

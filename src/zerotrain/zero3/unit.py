@@ -7,12 +7,27 @@ Note: unit tensors
     ``shard``    the same chunks in the parameter dtype; the same tensor as ``master`` in
                  fp32 training without offload. This is what is all-gathered (copied to the
                  device first when ``offload_param`` keeps it in host memory or in a file).
-    ``full``     the unit's full parameters, one flat buffer in the parameter dtype, present
-                 only while gathered; each parameter's ``.data`` is a view of it then, and an
-                 empty tensor otherwise (``partition.py``).
+    ``full``     the unit's full parameters, one flat buffer in the parameter dtype. The
+                 tensor lives as long as the unit; its storage has bytes only while the unit
+                 is gathered (Note: freed storage). Each parameter's ``.data`` is a view of it
+                 while gathered, and an empty tensor otherwise (``partition.py``).
 
     States move RELEASED -> GATHERING (an all-gather in flight) -> GATHERED -> RELEASED; each
     transition asserts where it starts. Persistent units are gathered once and stay GATHERED.
+
+Note: freed storage
+    Autograd keeps what a forward saves for backward: often a view of a parameter (``addmm``
+    saves ``weight.t()``), which holds the storage it views. Were each gather a new buffer,
+    every unit's full parameters would stay alive from its forward to its backward, the
+    whole model at once. So a unit owns one ``full`` tensor for its lifetime: releasing it
+    resizes its storage to zero bytes (the saved views stay valid objects over an empty
+    storage), and gathering it again, before its backward uses those views, resizes the
+    same storage back and writes the full values into it. The saved views then read the
+    right values again. This is FSDP2's scheme (``_fsdp_param.py``, ``free_storage`` and
+    ``alloc_storage``); it makes what autograd saves cost nothing between a unit's forward
+    and its backward. Nothing may read a saved view while its unit is released: the hooks
+    (``hooks.py``) gather a unit before its backward starts and release it only once every
+    use in backward is done.
 """
 from __future__ import annotations
 
@@ -67,7 +82,6 @@ class Unit:
         else:  # masters and shards live apart (16-bit training, or offload)
             self.shard = shard_storage.zeros(self.shard_numel, policy.param_dtype)
             self.shard.copy_(self.master)
-        self.full: Optional[torch.Tensor] = None
         self.state = UnitState.RELEASED
         self.holders = 0
         self._pending = None
@@ -75,6 +89,9 @@ class Unit:
             p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
             p.data = P.empty_placeholder(p)
         P.mark(spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
+        self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=device)
+        self._views = self._param_views()   # made while the storage has its bytes
+        self._free_full()                   # Note: freed storage
         self._attach()
         if spec.persistent:
             self.start_gather()
@@ -136,30 +153,30 @@ class Unit:
         self.state = UnitState.GATHERING
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather and point every parameter at its full value."""
+        """Wait for the all-gather; write the full values into ``full``'s storage (allocated
+        again if it was freed) and point every parameter at its view of it."""
         if self.state is UnitState.GATHERED:
             return
         self._expect(UnitState.GATHERING)
         work, matrix = self._pending
         self._pending = None
         work.wait()
-        self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.device)
-        offset = 0
-        views = {}
-        for i, p in enumerate(self.spec.params):
-            views[i] = self.full[offset: offset + p.ds_numel].view(p.ds_shape)
-            offset += p.ds_numel
-        for s in self.slices:
-            cols = matrix[:, s.column: s.column + s.layout.shard_numel]
-            for slot, i in zip(s.layout.slots, s.indices):
-                s.layout.copy_block_into_full(cols, slot, views[i])
-        for i, p in enumerate(self.spec.params):
-            p.data = views[i]
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.numel * self.full.element_size())
+        with torch.no_grad():
+            for s in self.slices:
+                cols = matrix[:, s.column: s.column + s.layout.shard_numel]
+                for slot, i in zip(s.layout.slots, s.indices):
+                    s.layout.copy_block_into_full(cols, slot, self._views[i])
+        for p, view in zip(self.spec.params, self._views):
+            p.data = view
         P.mark(self.spec.params, P.ZeroParamStatus.AVAILABLE)
         self.state = UnitState.GATHERED
 
     def release(self) -> None:
-        """Drop the full parameters (their ``.data`` becomes empty); shards stay."""
+        """Drop the full parameters: their ``.data`` becomes empty and ``full``'s storage
+        is freed even where autograd saved views of it (Note: freed storage); shards stay."""
         if self.spec.persistent:
             raise StateError(f"unit {self.spec.name!r} is persistent and cannot be released")
         if self.state is UnitState.GATHERING:
@@ -169,8 +186,20 @@ class Unit:
         for p in self.spec.params:
             p.data = P.empty_placeholder(p)
         P.mark(self.spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
-        self.full = None
+        self._free_full()
         self.state = UnitState.RELEASED
+
+    def _free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def _param_views(self) -> list[torch.Tensor]:
+        """Each parameter's view of ``full``, made once: the views autograd saves and the
+        views later gathers write into are the same tensors' storage."""
+        views, offset = [], 0
+        for p in self.spec.params:
+            views.append(self.full[offset: offset + p.ds_numel].view(p.ds_shape))
+            offset += p.ds_numel
+        return views
 
     def refresh_slice(self, s: GroupSlice, master: torch.Tensor) -> None:
         """After an optimizer step: the parameter-dtype shard of slice ``s`` follows

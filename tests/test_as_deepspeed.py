@@ -103,6 +103,7 @@ def test_switch_names_what_is_missing_and_is_undone_by_uninstall():
         assert DeepSpeedCPUAdam is zerotrain.ops.adam.DeepSpeedCPUAdam
         assert ZeroParamStatus is zerotrain.zero.ZeroParamStatus
         assert deepspeed.initialize is zerotrain.initialize
+        assert deepspeed.__version__ == zerotrain.__version__
         assert deepspeed.moe.layer.MoE.__name__ == "MoE"   # importable, refuses when used
         with pytest.raises(ModuleNotFoundError, match="deepspeed.inference is not provided"):
             import deepspeed.inference  # noqa: F401

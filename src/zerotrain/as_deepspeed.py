@@ -68,6 +68,7 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime.pipe.engine": "zerotrain.pipe",
     "deepspeed.runtime.pipe.module": "zerotrain.pipe",
 }
+_FORWARDED_DUNDERS = frozenset({"__version__", "__all__"})  # others belong to the alias
 _GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
 
 
@@ -87,7 +88,7 @@ class _Alias(types.ModuleType):
         if child in ALIASES:
             return importlib.import_module(child)
         target = self.__dict__.get("__zerotrain_target__")
-        if target is not None and not attr.startswith("__"):
+        if target is not None and (not attr.startswith("__") or attr in _FORWARDED_DUNDERS):
             try:
                 return getattr(importlib.import_module(target), attr)
             except AttributeError:

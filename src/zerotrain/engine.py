@@ -147,6 +147,10 @@ class ZeroEngine(nn.Module):
         self.settle()
         self.stage.close()
 
+    def destroy(self) -> None:
+        """DeepSpeed's name for :meth:`close`."""
+        self.close()
+
     def _skip(self, outcome: StepOutcome) -> None:
         """A non-finite gradient: fp16 rescales; otherwise the ``nonfinite`` policy decides."""
         order = {name: i for i, (name, _) in enumerate(self.module.named_parameters())}
@@ -224,6 +228,12 @@ class ZeroEngine(nn.Module):
 
     def bfloat16_enabled(self) -> bool:
         return self.config.precision == "bf16"
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with

@@ -69,12 +69,14 @@ def train(args, stage):
                 "step": step + 1, "marker": torch.arange(5.0), "args": args,
                 "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
                 "torch_rng": torch.get_rng_state()})
+    assert engine.steps_per_print() == 1000 and not engine.wall_clock_breakdown()
     weights = {name: safe_get_full_fp32_param(p).tolist() for name, p in net.named_parameters()}
     statuses = sorted({str(getattr(p, "ds_status", None)) for p in net.parameters()})
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     dist.barrier()
     _, client_state = engine.load_checkpoint(save_dir, tag=2)
+    engine.destroy()
     random.setstate(client_state["python_rng"])
     np.random.set_state(client_state["numpy_rng"])
     torch.set_rng_state(client_state["torch_rng"])

@@ -31,7 +31,8 @@ PACKAGE = "zerotrain"
 # Add a new module here, in one place.
 ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
-    (("errors",), ("config", "flat", "estimate", "topology", "unsupported"), ("moe", "pipe")),
+    (("errors",), ("config", "flat", "estimate", "topology", "unsupported", "quantize"),
+     ("moe", "pipe")),
     # 2. process-level services
     (("comm", "memory", "precision", "log", "timers", "accelerator"),),
     # 3. building blocks of a stage

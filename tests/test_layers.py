@@ -36,7 +36,8 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 2. process-level services
     (("comm", "memory", "precision", "log", "timers", "accelerator"),),
     # 3. building blocks of a stage
-    (("buckets", "optim", "schedules", "dataloader", "offload", "ops", "lr_watch"),),
+    (("buckets", "optim", "schedules", "dataloader", "offload", "ops", "lr_watch",
+      "hierarchy"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("zero3", "checkpointing"), ("zero", "factory")),
     # 5. persistence, and DeepSpeed's helpers over it

@@ -72,9 +72,13 @@ class GradientBuckets:
 
     def __init__(self, layouts: Sequence[FlatLayout], comm: Communicator, *,
                  accum_dtype: torch.dtype, device: torch.device, overlap: bool,
-                 comm_dtype: Optional[torch.dtype] = None) -> None:
+                 comm_dtype: Optional[torch.dtype] = None,
+                 reduce_scatter: Optional[Callable] = None) -> None:
         self.layouts = list(layouts)
         self.comm = comm
+        # how a block is reduce-scattered: over ``comm``, or a hierarchical plug-in with
+        # the same signature (``hierarchy.py``: MiCS replicas, qgZ)
+        self.reduce_scatter = reduce_scatter or comm.reduce_scatter
         self.accum_dtype = accum_dtype
         self.comm_dtype = comm_dtype or accum_dtype
         self.device = device
@@ -282,7 +286,7 @@ class ReduceScatterAtBoundary(_FullAccumulation):
     def _launch(self, g, block) -> None:
         shard = self._shard_of(g)
         out = shard[block.shard_offset: block.shard_offset + block.chunk]
-        self._track(self.comm.reduce_scatter(out, self._wire(self._block_flat(g, block)),
+        self._track(self.reduce_scatter(out, self._wire(self._block_flat(g, block)),
                                              async_op=self.overlap,
                                              label=f"gradient bucket {g}.{block.index}"),
                     lambda: self._reduced(g, block))
@@ -346,7 +350,7 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         direct = self._fresh and target.dtype == staging.dtype
         out = target if direct else torch.empty(target.shape, dtype=staging.dtype,
                                                 device=target.device)
-        work = self.comm.reduce_scatter(out, staging, async_op=self.overlap,
+        work = self.reduce_scatter(out, staging, async_op=self.overlap,
                                         label=f"gradient bucket {g}.{block.index}")
         fresh = self._fresh
 

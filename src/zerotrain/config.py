@@ -62,10 +62,9 @@ _UNIMPLEMENTED_NAMES = {
         cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks
         ignore_unused_parameters leaf_module legacy_stage1 load_from_fp32_weights
         log_trace_cache_warnings memory_efficient_linear mics_hierarchical_params_gather
-        mics_shard_size override_module_apply pipeline_loading_checkpoint round_robin_gradients
+        override_module_apply pipeline_loading_checkpoint round_robin_gradients
         save_muon_momentum_buffer_in_memory use_multi_rank_bucket_allreduce zenflow
-        zero_hpz_partition_size zero_quantized_gradients zero_quantized_nontrainable_weights
-        zero_quantized_weights zeropp_loco_param
+        zero_quantized_nontrainable_weights zeropp_loco_param
         stage3_model_persistence_threshold model_persistence_threshold
         stage3_module_granularity_threshold module_granularity_threshold
         stage3_use_all_reduce_for_fetch_params use_all_reduce_for_fetch_params
@@ -159,6 +158,11 @@ class ZeroConfig(_Section):
     sub_group_size: Size = 1_000_000_000
     offload_optimizer: Optional[OffloadConfig] = None
     offload_param: Optional[OffloadConfig] = None
+    # ZeRO++ and MiCS (stage 3; docs/multinode.md)
+    zero_hpz_partition_size: Size = 1        # ranks of the secondary partition (hpZ)
+    zero_quantized_weights: bool = False     # int8 blocks in the parameter all-gather (qwZ)
+    zero_quantized_gradients: bool = False   # int4 hierarchical reduce-scatter (qgZ)
+    mics_shard_size: int = Field(-1, ge=-1)  # shard within groups of this size, -1: off
 
 
 class CheckpointConfig(_Section):
@@ -344,6 +348,7 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
     _resolve_batch(data, world_size)
     result = _validate(ZeroTrainConfig, data, "", walk)
     _check_combinations(result, walk)
+    _check_hierarchical(result.zero_optimization, world_size)
     result._raw = raw
     result._unimplemented = list(walk.unimplemented)
     if walk.unimplemented and warn_unimplemented:
@@ -597,3 +602,34 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
         if offload is not None and offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError(f"zero_optimization.{name}.nvme_path",
                               'is required when device is "nvme"')
+
+
+_STAGE3_ONLY = ("zero_hpz_partition_size", "zero_quantized_weights",
+                "zero_quantized_gradients", "mics_shard_size")
+
+
+def _check_hierarchical(zero: ZeroConfig, world_size: int) -> None:
+    """ZeRO++ and MiCS keys: stage 3 only, group sizes that divide the world. Whether a
+    group fits in a node is checked once the nodes are known (``factory.build_stage``)."""
+    hpz, mics = zero.zero_hpz_partition_size, zero.mics_shard_size
+    active = {"zero_hpz_partition_size": hpz > 1, "zero_quantized_weights":
+              zero.zero_quantized_weights, "zero_quantized_gradients":
+              zero.zero_quantized_gradients, "mics_shard_size": mics != -1}
+    for key in _STAGE3_ONLY:
+        if active[key] and zero.stage != 3:
+            raise ConfigError(f"zero_optimization.{key}", "applies to ZeRO stage 3 (partitioned "
+                              f"parameters), but zero_optimization.stage is {zero.stage}",
+                              value=getattr(zero, key), suggestion="set stage to 3 or remove it")
+    if mics == 0:
+        raise ConfigError("zero_optimization.mics_shard_size", "must be a positive number of "
+                          "ranks, or -1 to turn MiCS off", value=0)
+    for key, size in (("zero_hpz_partition_size", hpz), ("mics_shard_size", mics)):
+        if size > 1 and world_size % size:
+            raise ConfigError(f"zero_optimization.{key}", f"{size} does not divide the world "
+                              f"size {world_size}", value=size,
+                              suggestion="use a divisor of the world size, usually the ranks "
+                                         "per node")
+    if hpz > 1 and mics != -1:
+        raise ConfigError("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS "
+                          "(mics_shard_size) both reshape the stage-3 partition; choose one",
+                          value=hpz)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+from torch import nn
+
 import reference as R
 
 STEPS = 2
@@ -30,6 +33,27 @@ def as_nodes(rank: int, ranks_per_node: int):
                 os.environ[key] = value
 
 
+class WideNet(nn.Module):
+    """Units of 16K elements (one per block), so int8/int4 blocks of 256 fill up."""
+
+    def __init__(self, width: int = 128, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(R.IN, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, R.OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return nn.functional.mse_loss(self.out(h).float(), y.float())
+
+
+def make_model(name: str):
+    torch.manual_seed(0)
+    return WideNet() if name == "wide" else R.make_model()
+
+
 def stage3_config(precision: str = "bf16", **zero) -> dict:
     """Stage 3 with every parameter partitioned and 16-bit gradients on the wire."""
     config = R.engine_config(stage=3, precision=precision)
@@ -39,24 +63,32 @@ def stage3_config(precision: str = "bf16", **zero) -> dict:
     return config
 
 
-def run_bytes(rank: int, world: int, ranks_per_node: int, zero: dict,
-              steps: int = STEPS) -> dict:
-    """Train ``steps`` steps; the communication breakdown, the padded Ψ and the weights."""
+def run_bytes(rank: int, world: int, ranks_per_node: int, zero: dict, *,
+              steps: int = STEPS, precision: str = "bf16", model: str = "tiny",
+              save: str = "") -> dict:
+    """Train ``steps`` steps; the communication breakdown, the padded Ψ (over the shard
+    group), the full parameters after training, the memory breakdown."""
     import zerotrain
     with as_nodes(rank, ranks_per_node):
-        model = R.make_model()
-        engine, *_ = zerotrain.initialize(model=model, config=stage3_config(**zero))
+        module = make_model(model)
+        engine, *_ = zerotrain.initialize(model=module,
+                                          config=stage3_config(precision, **zero))
         engine.communication_breakdown()   # start the window after initialize
         losses = R.train_engine(engine, steps=steps, rank=rank, ga=1)
         comm = engine.communication_breakdown()
         padded = sum(r.layout.padded_numel for r in engine.stage.shard_records())
-        masters = {n: m.detach().clone() for r in engine.stage.shard_records()
-                   for n, m in zip(r.names, _split(r))}
         memory = engine.memory_breakdown()
+        if save:
+            engine.save_checkpoint(save, tag="t")
+        full = full_parameters(module)
         engine.close()
-    return {"comm": comm, "padded": padded, "losses": losses, "masters": masters,
-            "memory": memory}
+    return {"comm": comm, "padded": padded, "losses": losses, "full": full,
+            "memory": memory, "numels": [p.ds_numel for p in module.parameters()]}
 
 
-def _split(record):
-    return [record.master[record.layout.shard_slice(slot)] for slot in record.layout.slots]
+def full_parameters(module) -> dict:
+    """Every parameter's full value (collective at stage 3)."""
+    import zerotrain
+    params = list(module.parameters())
+    with zerotrain.zero.GatheredParameters(params):
+        return {n: p.detach().float().clone() for n, p in module.named_parameters()}

@@ -7,13 +7,16 @@ nodes counts as cross-node bytes. Plain stage 3 with 16-bit parameters and gradi
 moves 3Ψ × 2 bytes per step, all across nodes.
 """
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 
-from multinode_helpers import STEPS, run_bytes
+import pytest
+
+from multinode_helpers import STEPS, as_nodes, run_bytes, stage3_config
 
 HERE = os.path.dirname(os.path.dirname(__file__))
 NORM_BYTES = 2 * 4   # the gradient-norm scalar all-reduce (fp32, counted twice)
@@ -34,6 +37,102 @@ def test_one_node_keeps_every_byte_inside_it(worlds):
         assert res["comm"]["cross_node"] == {}
         assert sum(res["comm"]["intra_node"].values()) == (3 * res["padded"] * 2
                                                            + NORM_BYTES) * STEPS
+
+
+def _cross(res) -> int:
+    return sum(res["comm"]["cross_node"].values())
+
+
+def test_hpz_gathers_backward_inside_the_node_and_keeps_psi_over_h_extra(worlds):
+    """Forward gathers across nodes and leaves each rank its secondary chunk; backward
+    gathers those chunks inside the node. Extra memory: ceil(numel / 2) per parameter."""
+    for res in worlds.run(4, run_bytes, 2, {"zero_hpz_partition_size": 2}):
+        comm, padded = res["comm"], res["padded"]
+        secondary = sum(2 * math.ceil(n / 2) for n in res["numels"])   # padded over 2 ranks
+        assert comm["cross_node"] == {"all_gather": padded * 2 * STEPS,
+                                      "reduce_scatter": padded * 2 * STEPS,
+                                      "all_reduce": NORM_BYTES * STEPS}
+        assert comm["intra_node"] == {"all_gather": secondary * 2 * STEPS}
+        assert res["memory"]["hpz_parameters"] == secondary // 2 * 2   # Ψ/H bf16 elements
+
+
+def test_mics_all_reduces_only_its_shard_across_nodes(worlds):
+    """Shard groups of 2 ranks (one node each): gathers and reduce-scatters stay in the
+    node; only each rank's reduced shard is all-reduced with its replica on the other."""
+    for res in worlds.run(4, run_bytes, 2, {"mics_shard_size": 2}):
+        comm, padded = res["comm"], res["padded"]            # padded over 2 ranks
+        assert comm["intra_node"] == {"all_gather": 2 * padded * 2 * STEPS,
+                                      "reduce_scatter": padded * 2 * STEPS,
+                                      "all_reduce": NORM_BYTES * STEPS}
+        assert comm["cross_node"] == {"all_reduce": 2 * (padded // 2) * 2 * STEPS}
+
+
+def test_zero_plus_plus_crosses_at_most_a_quarter_of_plain(worlds):
+    """qwZ + hpZ + qgZ on units of 16K elements: int8 forward gather, backward inside the
+    node, int4 gradients of which only the node's partial sums cross."""
+    zpp = {"zero_hpz_partition_size": 2, "zero_quantized_weights": True,
+           "zero_quantized_gradients": True}
+    plain = worlds.run(4, run_bytes, 2, {}, model="wide")
+    quant = worlds.run(4, run_bytes, 2, zpp, model="wide")
+    for p, q in zip(plain, quant):
+        assert _cross(q) <= _cross(p) / 4, (p["comm"], q["comm"])
+        assert set(q["comm"]["cross_node"]) == {"all_gather", "all_to_all", "all_reduce"}
+        assert q["comm"]["intra_node"]["all_to_all"] > q["comm"]["cross_node"]["all_to_all"]
+        assert abs(q["losses"][-1] - p["losses"][-1]) <= 0.05 * p["losses"][-1]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_hpz_is_bitwise_and_mics_within_1e6_of_plain_stage3(worlds):
+    plain = worlds.run(4, run_bytes, 2, {}, precision="fp32", steps=3)
+    hpz = worlds.run(4, run_bytes, 2, {"zero_hpz_partition_size": 2}, precision="fp32",
+                     steps=3)
+    mics = worlds.run(4, run_bytes, 2, {"mics_shard_size": 2}, precision="fp32", steps=3)
+    for p, h, m in zip(plain, hpz, mics):
+        assert _max_diff(p["full"], h["full"]) == 0.0
+        assert _max_diff(p["full"], m["full"]) <= 1e-6
+        assert p["losses"] == h["losses"]
+
+
+def _load_elsewhere(rank, world, path, stage):
+    import reference as R
+    import zerotrain
+    from multinode_helpers import full_parameters
+    model = R.make_model()
+    config = R.engine_config(stage=stage) if stage < 3 else stage3_config("fp32")
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engine.load_checkpoint(path, tag="t")
+    return full_parameters(model) if stage == 3 else {
+        n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("zero, world, stage", [({"mics_shard_size": 2}, 2, 1),
+                                                ({"zero_hpz_partition_size": 2}, 3, 3)])
+def test_checkpoints_written_with_hpz_or_mics_load_at_another_world_and_stage(
+        worlds, tmp_path, zero, world, stage):
+    saved = worlds.run(4, run_bytes, 2, zero, precision="fp32", save=str(tmp_path))[0]
+    for full in worlds.run(world, _load_elsewhere, str(tmp_path), stage):
+        assert _max_diff(saved["full"], full) == 0.0
+
+
+def _bad_hpz(rank, world, size):
+    import reference as R
+    import zerotrain
+    with as_nodes(rank, 2):
+        try:
+            zerotrain.initialize(model=R.make_model(),
+                                 config=stage3_config(zero_hpz_partition_size=size))
+        except zerotrain.errors.ConfigError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_hpz_larger_than_a_node_is_a_named_error_on_every_rank(worlds):
+    for message in worlds.run(4, _bad_hpz, 4):
+        assert message.startswith("zero_optimization.zero_hpz_partition_size: 4 is larger "
+                                  "than a node (2 ranks"), message
 
 
 def _free_port() -> int:

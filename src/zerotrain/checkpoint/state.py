@@ -70,16 +70,19 @@ class LoadResult:
 
 def shard_rank(layout: FlatLayout, comm: Communicator) -> int:
     """Which chunk of a layout this rank holds: all of it (0) for world-1 layouts, its own
-    rank for layouts sharded over the whole group."""
+    rank for layouts sharded over the whole group, its position in its group for layouts
+    sharded over groups of consecutive ranks (MiCS: ranks ``r`` and ``r + S`` hold the same
+    chunk)."""
     if layout.world == 1:
         return 0
-    if layout.world == comm.world_size:
-        return comm.rank
+    if comm.world_size % layout.world == 0:
+        return comm.rank % layout.world
     raise CheckpointError(f"a shard layout of world {layout.world} in a process group of "
                           f"{comm.world_size} ranks is not supported by checkpoints")
 
 
 def writes_record(layout: FlatLayout, comm: Communicator) -> bool:
-    """Whether this rank writes its shard of a record: a world-1 layout is replicated on
-    every rank, so only rank 0 writes it."""
+    """Whether this rank writes its shard of a record: a layout over fewer ranks than the
+    group is replicated (world 1: on every rank; MiCS: in every group), so only the first
+    group of ranks writes it."""
     return comm.rank < layout.world

@@ -118,6 +118,7 @@ class BucketedStage:
     """
 
     _boundary = True
+    data_parallel_world: Optional[int] = None   # ranks averaged over, if not comm's (MiCS)
 
     def watch_buckets(self) -> None:
         """Follow bucket completion (Note: records as buckets complete)."""
@@ -154,7 +155,8 @@ class BucketedStage:
         grads = prepare_gradients(records, summed, comm=self.comm, sharded=self.sharded,
                                   grad_scale=grad_scale, clip=clip,
                                   wire=[self.buckets.exact_dtype(i) for i in range(len(records))],
-                                  squares=getattr(self, "_squares", {}))
+                                  squares=getattr(self, "_squares", {}),
+                                  average_over=self.data_parallel_world)
         if isinstance(grads, StepOutcome):   # inf/nan: nothing is stepped
             self.updater.forget()
             self.zero_grad()
@@ -221,7 +223,8 @@ class PreparedGradients:
 def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Tensor], *,
                       comm: Communicator, sharded: bool, grad_scale: float, clip: float,
                       wire: Sequence[torch.dtype] = (),
-                      squares: Optional[Mapping[int, torch.Tensor]] = None
+                      squares: Optional[Mapping[int, torch.Tensor]] = None,
+                      average_over: Optional[int] = None
                       ) -> "PreparedGradients | StepOutcome":
     """What every stage does before the update (Note "one step" in ``stages/zero12.py``).
 
@@ -232,7 +235,7 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
     already taken as its buckets completed. On inf/nan the result is the failed
     StepOutcome naming the first parameter affected.
     """
-    world = comm.world_size
+    world = average_over or comm.world_size   # MiCS: the shard group is not the world
     squares = squares or {}
     sq = torch.zeros(1, dtype=torch.float32, device=summed[0].device if summed else None)
     for i, shard in enumerate(summed):

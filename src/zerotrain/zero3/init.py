@@ -165,10 +165,11 @@ class GatheredParameters:
         for p in self.params:
             if p.numel() == p.ds_numel:  # already whole (its unit is gathered)
                 continue
-            chunk = p.ds_tensor.to(self.comm.device)   # offloaded shards live on the host
-            out = torch.empty(self.comm.world_size * chunk.numel(), dtype=chunk.dtype,
+            comm = _shard_comm(p, self.comm)
+            chunk = p.ds_tensor.to(comm.device)   # offloaded shards live on the host
+            out = torch.empty(comm.world_size * chunk.numel(), dtype=chunk.dtype,
                               device=chunk.device)
-            self.comm.all_gather(out, chunk.contiguous())
+            comm.all_gather(out, chunk.contiguous())
             p.data = P.fill_full(p, out).to(device=_compute_device(p), dtype=p.dtype).clone()
             self._gathered.append(p)
         P.mark(self._gathered, P.ZeroParamStatus.AVAILABLE)
@@ -182,15 +183,24 @@ class GatheredParameters:
                 full = p.data.to(self.comm.device).contiguous()
                 self.comm.broadcast(full, src=_global_rank(self.comm, self.modifier_rank))
                 p.data.copy_(full.view_as(p.data))
-                chunk = P.chunk_of(full, self.comm.rank, self.comm.world_size)
+                shard = _shard_comm(p, self.comm)
+                chunk = P.chunk_of(full, shard.rank, shard.world_size)
                 p.ds_tensor.copy_(chunk)
                 master = getattr(p, "ds_master", None)
                 if master is not None:
                     master.copy_(chunk)
+                if getattr(p, "ds_unit", None) is not None:
+                    p.ds_unit.shards_changed()
         for p in self._gathered:
             p.data = P.empty_placeholder(p)
         P.mark(self._gathered, P.ZeroParamStatus.NOT_AVAILABLE)
         self._gathered.clear()
+
+
+def _shard_comm(p: nn.Parameter, world: Communicator) -> Communicator:
+    """The group a parameter's chunks are spread over: its unit's (MiCS: a shard group)."""
+    unit = getattr(p, "ds_unit", None)
+    return unit.comm if unit is not None else world
 
 
 def _compute_device(p: nn.Parameter) -> torch.device:

@@ -23,6 +23,7 @@ from ..comm import Communicator
 from ..offload import Storage
 from ..precision import PrecisionPolicy
 from ..stages.base import FROZEN, BucketedStage, ShardRecord
+from .hierarchical import build_groups
 from .hooks import GatherPolicy, UnitScheduler, install_module_hooks
 from .unit import GroupSlice, Unit
 from .units import build_units
@@ -37,7 +38,10 @@ class PartitionedDataParallel(BucketedStage):
                  storage: Storage, param_storage: Storage,
                  make_updater: Callable[[torch.optim.Optimizer], Any]) -> None:
         self.module = module
-        self.comm = comm
+        groups3 = build_groups(comm, zero_config)   # hpZ, MiCS, qwZ, qgZ (hierarchical.py)
+        comm = self.comm = groups3.shard
+        self.wire = groups3.wire
+        self.data_parallel_world = groups3.data_parallel_world
         self.policy = policy
         self.sharded = comm.world_size > 1
         group_of: dict[int, Optional[int]] = {id(p): g for g, ps in enumerate(groups)
@@ -48,7 +52,7 @@ class PartitionedDataParallel(BucketedStage):
                             persistence_threshold=int(
                                 zero_config.stage3_param_persistence_threshold))
         self.units = [Unit(spec, comm=comm, policy=policy, group_of=group_of, device=device,
-                           storage=storage, shard_storage=param_storage)
+                           storage=storage, shard_storage=param_storage, wire=self.wire)
                       for spec in specs]
         # records: one per (unit, optimizer group), in unit order; frozen slices apart
         self._records: list[tuple[Unit, GroupSlice]] = [
@@ -69,7 +73,7 @@ class PartitionedDataParallel(BucketedStage):
         self.buckets = ReduceScatterEveryMicroStep(
             [s.layout for _, s in self._records], comm, accum_dtype=policy.grad_accum_dtype,
             device=device, overlap=bool(zero_config.overlap_comm),
-            comm_dtype=policy.reduce_dtype)
+            comm_dtype=policy.reduce_dtype, reduce_scatter=groups3.reduce_scatter)
         self.watch_buckets()
         self.scheduler = UnitScheduler(self.units, GatherPolicy(
             prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
@@ -162,7 +166,7 @@ class PartitionedDataParallel(BucketedStage):
         full = [u.full for u in self.units]
         where = {"device": "parameters", "host": "host_parameters",
                  "nvme": "nvme_parameters"}[self.param_storage.kind]
-        return {"parameters": full, where: shards,
+        return {"parameters": full, where: shards, "hpz_parameters": self.wire.tensors(),
                 "gradients": self.buckets.tensors(),
                 self.state_category: [u.master for u in self.units] + state,
                 "host_gradients": self.updater.host_tensors()}

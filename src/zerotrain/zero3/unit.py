@@ -44,6 +44,7 @@ from ..offload import Storage
 from ..precision import PrecisionPolicy
 from . import partition as P
 from .units import UnitSpec
+from .wire import UnitWire, gather_rows_into
 
 NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one collective
 
@@ -67,9 +68,11 @@ class GroupSlice:
 class Unit:
     def __init__(self, spec: UnitSpec, *, comm: Communicator, policy: PrecisionPolicy,
                  group_of: dict[int, Optional[int]], device: torch.device,
-                 storage: Storage, shard_storage: Storage) -> None:
+                 storage: Storage, shard_storage: Storage,
+                 wire: Optional[UnitWire] = None) -> None:
         self.spec = spec
         self.comm = comm
+        self.wire = wire or UnitWire(comm)   # how full values are gathered (wire.py)
         self.policy = policy
         self.device = device
         self.slices = self._group_slices(group_of)
@@ -118,6 +121,12 @@ class Unit:
             for slot, i in zip(s.layout.slots, s.indices):
                 p = self.spec.params[i]
                 chunk = p.ds_tensor if P.is_partitioned(p) else P.chunk_of(p.data, rank, world)
+                if chunk.numel() != slot.chunk:
+                    raise StateError(
+                        f"a parameter of unit {self.spec.name or '<root>'!r} was partitioned "
+                        f"by zero.Init into chunks of {chunk.numel()} elements, but stage 3 "
+                        f"shards it over {world} ranks (mics_shard_size): build the model "
+                        "outside zero.Init")
                 where = s.layout.shard_slice(slot)
                 master[s.column + where.start: s.column + where.stop] = chunk.to(master)
         return master
@@ -142,15 +151,15 @@ class Unit:
         if not self.spec.params:  # a unit that only gathers its dependencies
             self.state = UnitState.GATHERED
             return
-        world = self.comm.world_size
-        out = torch.empty(world * self.shard_numel, dtype=self.shard.dtype, device=self.device)
-        shard, launch_after_copy = self._send(self.shard, out.device)
-        with launch_after_copy:   # Note "copy streams" in offload/transfers.py
-            work = self.comm.all_gather(out, shard, async_op=True,
-                                        label=f"unit {self.spec.name or '<root>'}")
-        self._pending = (work, out.view(world, self.shard_numel))
+        self._pending = self.wire.start(self, label=f"unit {self.spec.name or '<root>'}")
         P.mark(self.spec.params, P.ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING
+
+    def shard_on_device(self):
+        """This rank's shard on the gather device, and the context to launch its collective
+        in (host shards go up on a side stream: Note "copy streams" in
+        offload/transfers.py)."""
+        return self._send(self.shard, self.device)
 
     def finish_gather(self) -> None:
         """Wait for the all-gather; write the full values into ``full``'s storage (allocated
@@ -158,17 +167,13 @@ class Unit:
         if self.state is UnitState.GATHERED:
             return
         self._expect(UnitState.GATHERING)
-        work, matrix = self._pending
-        self._pending = None
-        work.wait()
+        gathering, self._pending = self._pending, None
+        rows = gathering.wait()
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.numel * self.full.element_size())
-        with torch.no_grad():
-            for s in self.slices:
-                cols = matrix[:, s.column: s.column + s.layout.shard_numel]
-                for slot, i in zip(s.layout.slots, s.indices):
-                    s.layout.copy_block_into_full(cols, slot, self._views[i])
+        gather_rows_into(rows, gathering.slices, self._views)
+        self.wire.gathered(self, self._views)
         for p, view in zip(self.spec.params, self._views):
             p.data = view
         P.mark(self.spec.params, P.ZeroParamStatus.AVAILABLE)
@@ -206,6 +211,11 @@ class Unit:
         ``master`` (its fp32 values, wherever they are resident)."""
         if self.shard is not self.master:
             self.shard[s.column: s.column + s.layout.shard_numel].copy_(master)
+        self.wire.shards_changed(self)
+
+    def shards_changed(self) -> None:
+        """The shards were written outside an optimizer step (``GatheredParameters``)."""
+        self.wire.shards_changed(self)
 
     def regather(self) -> None:
         """A persistent unit gathers its new full values (collective); others wait for

@@ -144,13 +144,14 @@ def _locate(param: torch.nn.Parameter, what: str):
 
 
 def _shard_rank(engine: Any, record: Any) -> int:
-    return engine.comm.rank if record.layout.world > 1 else 0
+    return engine.stage.comm.rank if record.layout.world > 1 else 0
 
 
 def _gather_full(engine: Any, flat: torch.Tensor, record: Any, slot: Any,
                  shape: Any) -> torch.Tensor:
-    """Every rank's chunk of ``slot`` from the shard-sized ``flat``, as the full tensor."""
-    comm = engine.comm
+    """Every rank's chunk of ``slot`` from the shard-sized ``flat``, as the full tensor
+    (gathered over the stage's shard group: the world, or a MiCS group)."""
+    comm = engine.stage.comm
     chunk = flat[record.layout.shard_slice(slot)]
     if record.layout.world == 1:
         return chunk[: slot.numel].clone().view(shape)

@@ -81,6 +81,10 @@ def run_bytes(rank: int, world: int, ranks_per_node: int, zero: dict, *,
         if save:
             engine.save_checkpoint(save, tag="t")
         full = full_parameters(module)
+        if precision == "fp32":   # DeepSpeed's accessor reads the masters: the same values
+            from zerotrain.utils import safe_get_full_fp32_param
+            masters = {n: safe_get_full_fp32_param(p) for n, p in module.named_parameters()}
+            assert all(bool((masters[n] == full[n]).all()) for n in full), "masters differ"
         engine.close()
     return {"comm": comm, "padded": padded, "losses": losses, "full": full,
             "memory": memory, "numels": [p.ds_numel for p in module.parameters()]}

@@ -1,7 +1,7 @@
 """Full weights out of a training job.
 
-* ``zerotrain consolidate``: a sharded checkpoint to full fp32 weights (Hugging Face
-  layout); the work is done by :mod:`zerotrain.checkpoint.consolidate`, needs no process
+* ``zerotrain consolidate``: a sharded checkpoint (zerotrain's or DeepSpeed's) to full fp32
+  weights (Hugging Face layout); the work is done by :mod:`zerotrain.checkpoint.consolidate`, needs no process
   group and never loads the whole model at once.
 * :func:`save_16bit_model`: the live model's weights in their training dtype, gathered
   parameter by parameter while one safetensors file is streamed (``engine.save_16bit_model``).
@@ -31,11 +31,13 @@ logger = logging.getLogger(__name__)
 
 def build_parser(prog: str = "zerotrain consolidate") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Write a zerotrain checkpoint's full fp32 weights as "
-        "safetensors shards with a model.safetensors.index.json (Hugging Face layout).")
+        prog=prog, description="Write a zerotrain or DeepSpeed ZeRO checkpoint's full fp32 "
+        "weights as safetensors shards with a model.safetensors.index.json (Hugging Face "
+        "layout), or as one file when OUTPUT ends in .safetensors.")
     parser.add_argument("checkpoint_dir", help="the save directory (with 'latest') or one "
                         "tag directory")
-    parser.add_argument("output_dir", help="where to write the model-*.safetensors files")
+    parser.add_argument("output_dir", help="where to write the model-*.safetensors files "
+                        "(a name ending in .safetensors: one file)")
     parser.add_argument("--tag", default=None, help="which tag (default: the one 'latest' "
                         "names)")
     parser.add_argument("--max-shard-size", default="5GB",

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpointing
+from .checkpoint.deepspeed import is_deepspeed_tag_dir
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device)
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
@@ -135,6 +136,10 @@ AUTO_RESUME_ENV = "ZEROTRAIN_AUTO_RESUME"  # set by `zerotrain launch --auto-res
 def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
     """Load the newest complete checkpoint of ``checkpoint.auto_resume`` if there is one."""
     directory = cfg.checkpoint.auto_resume or os.environ.get(AUTO_RESUME_ENV)
+    if directory and is_deepspeed_tag_dir(directory):   # global_stepN/ itself: say so
+        raise ConfigError("checkpoint.auto_resume", f"{directory} is one tag of a DeepSpeed "
+                          "checkpoint; give the save directory that holds it and its "
+                          f"'latest' file ({os.path.dirname(os.path.abspath(directory))})")
     if not directory or not os.path.exists(os.path.join(directory, "latest")):
         return
     path, _ = engine.load_checkpoint(directory)

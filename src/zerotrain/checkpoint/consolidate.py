@@ -9,18 +9,23 @@ and floating buffers are returned in fp32, integer buffers as they are.
 :func:`convert_zero_checkpoint_to_fp32_state_dict` writes the Hugging Face layout:
 ``model-0000k-of-0000N.safetensors`` files of at most ``max_shard_size`` bytes each (a
 larger tensor gets a file of its own), ``model.safetensors.index.json`` mapping every name
-to its file, and ``config.json`` when the manifest recorded the model's config.
+to its file, and ``config.json`` when the manifest recorded the model's config. An
+``output_dir`` ending in ``.safetensors`` gets one file instead.
+
+A DeepSpeed ZeRO checkpoint (recognised by ``deepspeed.find_tag_dir``) is read by
+``deepspeed.DeepSpeedExport`` and written the same way.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
 from . import fs
+from .deepspeed import DeepSpeedExport, find_tag_dir
 from .manifest import MANIFEST_NAME, CheckpointError, read_manifest
 from .reshard import SourceIndex
 from .stfile import DTYPES_BY_NAME, Reader, TensorSpec, write_file
@@ -76,6 +81,10 @@ def read_full(index: SourceIndex, reader: Reader, spec: TensorSpec) -> torch.Ten
 def iter_fp32_tensors(checkpoint_dir: str, tag: Optional[str] = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every parameter and buffer, one at a time."""
+    deepspeed_path = find_tag_dir(checkpoint_dir, tag, accept_tag_dir=True)
+    if deepspeed_path is not None:
+        yield from DeepSpeedExport(deepspeed_path).tensors()
+        return
     path = resolve_checkpoint(checkpoint_dir, tag)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
@@ -124,31 +133,48 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
                                                tag: Optional[str] = None,
                                                max_shard_size: Union[int, str] = "5GB"
                                                ) -> list[str]:
-    """Write the model as fp32 safetensors shards in the Hugging Face layout.
+    """Write the model as fp32 safetensors shards in the Hugging Face layout (one file when
+    ``output_dir`` ends in ``.safetensors``); a zerotrain or a DeepSpeed ZeRO checkpoint.
 
     Streams one tensor at a time. Returns the paths written (shards, index, config).
     """
+    deepspeed_path = find_tag_dir(checkpoint_dir, tag, accept_tag_dir=True)
+    if deepspeed_path is not None:
+        source = DeepSpeedExport(deepspeed_path)
+        return write_hf(source.specs(), source.read, output_dir, max_shard_size,
+                        hf_config=source.hf_config())
     path = resolve_checkpoint(checkpoint_dir, tag)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
-    specs = export_specs(manifest)
+    with Reader(path) as reader:
+        return write_hf(export_specs(manifest), lambda spec: read_full(index, reader, spec),
+                        output_dir, max_shard_size, hf_config=manifest.get("hf_config"))
+
+
+def write_hf(specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor],
+             output_dir: str, max_shard_size: Union[int, str] = "5GB", *,
+             hf_config: Optional[dict] = None) -> list[str]:
+    """Write ``specs`` (each made by ``produce``, one alive at a time) as Hugging Face
+    shards plus index and ``config.json``, or as one file when ``output_dir`` ends in
+    ``.safetensors``."""
+    if output_dir.endswith(".safetensors"):
+        os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
+        write_file(output_dir, specs, produce, metadata={"format": "pt"})
+        return [output_dir]
     shards = plan_shards(specs, parse_size(max_shard_size))
     os.makedirs(output_dir, exist_ok=True)
     written, weight_map = [], {}
-    with Reader(path) as reader:
-        for i, shard in enumerate(shards):
-            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            target = os.path.join(output_dir, filename)
-            write_file(target, shard, lambda spec: read_full(index, reader, spec),
-                       metadata={"format": "pt"})
-            weight_map.update({spec.key: filename for spec in shard})
-            written.append(target)
+    for i, shard in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        target = os.path.join(output_dir, filename)
+        write_file(target, shard, produce, metadata={"format": "pt"})
+        weight_map.update({spec.key: filename for spec in shard})
+        written.append(target)
     index_json = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
                   "weight_map": weight_map}
     written.append(_write_json(os.path.join(output_dir, INDEX_NAME), index_json))
-    if manifest.get("hf_config"):
-        written.append(_write_json(os.path.join(output_dir, "config.json"),
-                                   manifest["hf_config"]))
+    if hf_config:
+        written.append(_write_json(os.path.join(output_dir, "config.json"), hf_config))
     return written
 
 

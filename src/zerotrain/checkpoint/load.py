@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ..stages.base import FROZEN
-from . import client_state, fs, rng
+from . import client_state, deepspeed, fs, rng
 from .manifest import CheckpointError, read_manifest
 from .match import check_groups, check_model
 from .reshard import SourceIndex, target_range
@@ -41,6 +41,11 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     Collective. A missing directory or ``latest`` returns ``LoadResult(None, None)`` with a
     warning (as DeepSpeed does); a missing explicit tag raises CheckpointError.
     """
+    deepspeed_path = deepspeed.find_tag_dir(load_dir, tag)
+    if deepspeed_path is not None:   # a DeepSpeed ZeRO checkpoint (docs/from-deepspeed.md)
+        return deepspeed.load_deepspeed_checkpoint(
+            state, deepspeed_path, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     start = time.perf_counter()
     path = _resolve(load_dir, tag)
     if path is None:

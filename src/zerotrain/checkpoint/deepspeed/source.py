@@ -1,0 +1,294 @@
+"""A DeepSpeed ZeRO tag as zerotrain needs it: parameters by name, element-range reads of
+fp32 masters and optimizer moments, and the small state (counters, scheduler, loss scaler,
+optimizer hyperparameters, ``client_state``).
+
+Opening reads every file of the tag (memory-mapped: only the elements later copied are
+paged in), so a bad file raises on every rank before a load's first collective.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from ..manifest import CheckpointError
+from . import files
+from .layout import SourceParam, zero12_params, zero3_params
+from .unpickle import DeepSpeedRecord
+
+# Keys DeepSpeed itself writes into the model-states file; any other key is client_state.
+_DS_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+    "sparse_tensor_module_names", "csr_tensor_module_names", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "iteration"})
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening",
+                    "nesterov")
+
+
+class DeepSpeedCheckpoint:
+    """One DeepSpeed tag directory, opened and indexed (no process group needed)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        tag_files = files.list_files(path)
+        self._rank_models = [files.read(f) for f in tag_files.model_files]   # stage 3: one
+        self.model = self._rank_models[0]                                   # per rank
+        self.optim = [_optimizer_dict(files.read(f), f) for f in tag_files.optim_files]
+        self.optim_files = tag_files.optim_files
+        shapes = self.model.get("param_shapes")
+        if not isinstance(shapes, list):
+            raise CheckpointError(f"{tag_files.model_files[0]} has no param_shapes: the run "
+                                  "did not use ZeRO (stage 0), whose checkpoints are not read")
+        self.world = int(self.model.get("dp_world_size") or len(self.optim) or 1)
+        if self.optim and len(self.optim) != self.world:
+            raise CheckpointError(f"{path}: dp_world_size is {self.world} but there are "
+                                  f"{len(self.optim)} optimizer-state files")
+        self.stage3 = len(tag_files.model_files) > 1 or bool(
+            self.optim and "fp32_flat_groups" in self.optim[0])
+        self.params: dict[str, SourceParam] = {
+            p.name: p for p in (self._index(shapes) if self.optim else [])}
+        self.shapes = {name: tuple(shape) for group in shapes for name, shape in group.items()}
+        self._flats = self._flat_tensors() if self.optim else []
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def has_optimizer(self) -> bool:
+        return bool(self.optim)
+
+    @property
+    def stage(self) -> int:
+        if self.stage3:
+            return 3
+        record = self.optim[0].get("zero_stage") if self.optim else None
+        if isinstance(record, DeepSpeedRecord) and record.args:
+            return int(record.args[0])
+        return 1 if self.optim else 2
+
+    def _index(self, shapes: list) -> list[SourceParam]:
+        first = self.optim[0]
+        if self.stage3:
+            flats = first["fp32_flat_groups"]
+            groups = _group_of_flat(first["optimizer_state_dict"], len(flats))
+            return zero3_params(shapes, [t.numel() for t in flats], groups, self.world)
+        flats = first["single_partition_of_fp32_groups"]
+        lean = "zero_stage" in first          # stages 1-2 save partitions without padding
+        paddings = first.get("group_paddings") or [0] * len(flats)
+        if len(flats) != len(shapes):
+            raise CheckpointError(f"{self.optim_files[0]}: {len(flats)} fp32 partitions for "
+                                  f"{len(shapes)} parameter groups in param_shapes")
+        sizes = [t.numel() + (paddings[g] if lean else 0) for g, t in enumerate(flats)]
+        return zero12_params(shapes, sizes, first.get("param_alignment_paddings"), self.world)
+
+    def _flat_tensors(self) -> list[list[dict[str, torch.Tensor]]]:
+        """Per rank, per flat partition: ``{"master": fp32, "exp_avg": ..., ...}``."""
+        out = []
+        for rank, state in enumerate(self.optim):
+            key = "fp32_flat_groups" if self.stage3 else "single_partition_of_fp32_groups"
+            masters = state[key]
+            moments = _moments(state, len(masters), stage3=self.stage3)
+            # saved with requires_grad (they were the optimizer's leaves): detach, so that
+            # copying them never records autograd history into the live shards
+            out.append([{k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                         for k, v in {"master": m, **moments[i]}.items()}
+                        for i, m in enumerate(masters)])
+        return out
+
+    # ------------------------------------------------------------------ tensors
+    def read_into(self, name: str, key: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Copy elements ``[start, end)`` of ``name``'s ``key`` (``master``, ``exp_avg``,
+        ...) into the 1-D ``out``, converting to ``out``'s dtype."""
+        if end <= start:
+            return
+        source = self.params.get(name)
+        if source is None:
+            value = self.module_tensor(name).reshape(-1)
+            if key != "master":
+                raise CheckpointError(f"{self.path} has no optimizer state {key!r} for "
+                                      f"{name!r}; load with load_optimizer_states=False")
+            with torch.no_grad():
+                out.copy_(value[start:end])
+            return
+        for piece in source.pieces:
+            lo, hi = max(start, piece.start), min(end, piece.end)
+            if lo >= hi:
+                continue
+            tensors = self._flats[piece.rank][piece.flat]
+            if key not in tensors:
+                raise CheckpointError(f"{self.optim_files[piece.rank]} has no optimizer state "
+                                      f"{key!r} for {name!r}")
+            begin = piece.offset + lo - piece.start
+            with torch.no_grad():
+                out[lo - start: hi - start].copy_(tensors[key][begin: begin + hi - lo])
+
+    def state_keys(self, name: str) -> tuple[list[str], Optional[float]]:
+        """Moment keys (flat tensors) and the step count of ``name``'s optimizer state."""
+        source = self.params[name]
+        piece = source.pieces[0]
+        tensors = self._flats[piece.rank][piece.flat]
+        keys = [k for k in tensors if k not in ("master", "_step")]
+        return keys, self._step(source.group, tensors)
+
+    def _step(self, group: int, tensors: dict) -> Optional[float]:
+        state = self.optim[0]
+        groups = self.param_groups()
+        for value in (tensors.get("_step"), (groups[group] if group < len(groups) else {}
+                                             ).get("step"),
+                      state.get("base_optimizer_state_step")):
+            if value is not None:
+                return float(value)
+        return None
+
+    def module_tensor(self, name: str) -> torch.Tensor:
+        """A frozen parameter, buffer or (without optimizer files) module weight, whole."""
+        module = self.model.get("module") or {}
+        value = module.get(name)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == self.full_shape(name):
+            return value.detach()
+        fragments = [m.get("frozen_param_fragments") or {}
+                     for m in self._rank_models] if self.stage3 else []
+        if fragments and all(name in f for f in fragments):
+            numel = math.prod(self.full_shape(name))
+            flat = torch.cat([f[name].reshape(-1) for f in fragments])[:numel]
+            return flat.view(self.full_shape(name))
+        if name in self.shapes and not self.optim:
+            raise CheckpointError(f"{self.path} has no optimizer-state files, and at stage 3 "
+                                  f"the module weights ({name!r}) live only there")
+        raise CheckpointError(f"{name!r} is not in DeepSpeed checkpoint {self.path}")
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        if name in self.shapes:
+            return self.shapes[name]
+        frozen = self.model.get("frozen_param_shapes") or {}
+        if name in frozen:
+            return tuple(frozen[name])
+        value = (self.model.get("module") or {}).get(name)
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        raise CheckpointError(f"{name!r} is not in DeepSpeed checkpoint {self.path}")
+
+    # ------------------------------------------------------------------ names
+    def trainable_names(self) -> list[str]:
+        return list(self.shapes)
+
+    def buffer_names(self) -> list[str]:
+        return list(self.model.get("buffer_names") or [])
+
+    def frozen_names(self) -> list[str]:
+        """Parameters the optimizer did not own (frozen), by DeepSpeed's records."""
+        frozen = list((self.model.get("frozen_param_shapes") or {}).keys())
+        buffers, shared = set(self.buffer_names()), self.shared_params()
+        for name in (self.model.get("module") or {}):
+            if name not in self.shapes and name not in buffers and name not in frozen \
+                    and name not in shared:
+                frozen.append(name)
+        return frozen
+
+    def shared_params(self) -> dict[str, str]:
+        """Tied parameters: ``{alias: name it shares storage with}``."""
+        return dict(self.model.get("shared_params") or {})
+
+    def state_dict_order(self) -> list[str]:
+        module = list((self.model.get("module") or {}).keys())
+        rest = [n for n in self.trainable_names() + self.frozen_names() if n not in module]
+        return module + rest
+
+    # ------------------------------------------------------------------ small state
+    def counters(self) -> dict[str, int]:
+        out = {}
+        for key in ("global_steps", "global_samples", "skipped_steps"):
+            value = self.model.get(key)
+            if value is not None:
+                out[key] = int(value)
+        return out
+
+    def client_state(self) -> dict:
+        return {k: _detached(v) for k, v in self.model.items() if k not in _DS_KEYS}
+
+    def lr_scheduler_state(self) -> Optional[dict]:
+        value = self.model.get("lr_scheduler")
+        return value if isinstance(value, dict) else None
+
+    def param_groups(self) -> list[dict]:
+        """The base optimizer's saved parameter groups (hyperparameters), if saved."""
+        if not self.optim:
+            return []
+        state = self.optim[0]
+        saved = state.get("optimizer_state_dict") if self.stage3 else state.get(
+            "base_optimizer_state")
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        return list(groups or [])
+
+    def hyperparameters(self) -> list[dict]:
+        return [{k: g[k] for k in _HYPERPARAMETERS if k in g} for g in self.param_groups()]
+
+    def loss_scaler_state(self) -> Optional[dict]:
+        """DeepSpeed's loss scaler as zerotrain's ``LossScaler.state_dict()`` fields."""
+        record = self.optim[0].get("loss_scaler") if self.optim else None
+        if not isinstance(record, DeepSpeedRecord):
+            return None
+        a = record.attributes()
+        dynamic = bool(a.get("dynamic", record.qualname.endswith("DynamicLossScaler")))
+        out = {"loss_scale": float(a.get("cur_scale", 1.0)), "dynamic": dynamic}
+        for ours, theirs in (("scale_window", "scale_window"), ("hysteresis", "delayed_shift"),
+                             ("cur_hysteresis", "cur_hysteresis"),
+                             ("consecutive_hysteresis", "consecutive_hysteresis"),
+                             ("min_scale", "min_scale"), ("scale_factor", "scale_factor"),
+                             ("cur_iter", "cur_iter"),
+                             ("last_overflow_iter", "last_overflow_iter")):
+            if theirs in a:
+                out[ours] = a[theirs]
+        return out
+
+
+def _optimizer_dict(value: dict, path: str) -> dict:
+    state = value.get("optimizer_state_dict")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} has no optimizer_state_dict")
+    if "fp32_flat_groups" not in state and "single_partition_of_fp32_groups" not in state:
+        raise CheckpointError(f"{path}: optimizer_state_dict has neither fp32_flat_groups "
+                              "nor single_partition_of_fp32_groups; not a ZeRO checkpoint "
+                              "this version understands")
+    return state
+
+
+def _group_of_flat(saved: dict, count: int) -> list[int]:
+    """Stage 3: the optimizer group each flat (sub-group) partition belongs to."""
+    groups = [0] * count
+    for g, group in enumerate((saved or {}).get("param_groups") or []):
+        for index in group.get("params", []):
+            if isinstance(index, int) and 0 <= index < count:
+                groups[index] = g
+    return groups
+
+
+def _moments(state: dict, count: int, *, stage3: bool) -> list[dict]:
+    """Per flat partition, its optimizer state tensors (and ``_step``)."""
+    saved = state.get("optimizer_state_dict" if stage3 else "base_optimizer_state")
+    if isinstance(saved, dict):
+        per_flat = [saved.get("state", {}).get(i, {}) for i in range(count)]
+    elif isinstance(saved, list):      # elastic checkpoints: one lean state per group
+        per_flat = list(saved) + [{}] * (count - len(saved))
+    else:
+        per_flat = [{}] * count
+    out = []
+    for entry in per_flat:
+        tensors = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        step = entry.get("step")
+        if step is not None:
+            tensors["_step"] = step
+        out.append(tensors)
+    return out
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return type(value)((k, _detached(v)) for k, v in value.items()) \
+            if not isinstance(value, DeepSpeedRecord) else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value

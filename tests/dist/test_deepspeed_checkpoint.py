@@ -1,0 +1,123 @@
+"""DeepSpeed ZeRO checkpoints resumed in zerotrain at another world size and stage.
+
+The fixtures under tests/fixtures/deepspeed_ckpts/ were written by the real DeepSpeed
+(tests/fixtures/make_deepspeed_ckpts.py): ``BEFORE`` steps, a checkpoint, then ``AFTER``
+more steps whose fp32 masters are ``expected.safetensors``. Here zerotrain loads the
+checkpoint at another world size and stage, trains the same ``AFTER`` steps on the same
+samples and must reach DeepSpeed's masters: within 1e-6 in fp32. In bf16 the forward and
+backward run on bf16 weights, so a last-bit difference in an fp32 master (summation order
+of the gradients, the clipping norm) can round a weight to the neighbouring bf16 value;
+three correct implementations of these steps (DeepSpeed, zerotrain, and a plain-torch loop)
+end 2e-5 to 5e-5 apart, while dropping the Adam moments moves the result by ~2e-3. bf16
+is therefore held to 1e-4.
+"""
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures"))
+import make_deepspeed_ckpts as M  # noqa: E402
+
+FIXTURES = M.DEFAULT_OUT
+
+
+def _resume(rank, world, case_name, stage, gas, micro, out_dir, *, load_optimizer=True):
+    """Load the DeepSpeed checkpoint into a fresh zerotrain engine, train AFTER steps,
+    return (step counter, client_state, lr, full fp32 masters on rank 0)."""
+    import zerotrain
+    from zerotrain.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    with open(os.path.join(FIXTURES, case_name, "case.json"), encoding="utf-8") as f:
+        case = json.load(f)
+    config = dict(case["config"], train_micro_batch_size_per_gpu=micro,
+                  gradient_accumulation_steps=gas, zero_optimization={"stage": stage})
+    model = M.make_model(seed=1)              # other weights: the load must replace them
+    if case["frozen"]:
+        model.norm.requires_grad_(False)
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
+                                      config=config)
+    path, client = engine.load_checkpoint(os.path.join(FIXTURES, case_name, "checkpoint"),
+                                          tag=f"global_step{case['before']}",
+                                          load_optimizer_states=load_optimizer)
+    steps = engine.global_steps
+    dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float32
+    for step in range(case["before"], case["before"] + case["after"]):
+        for m in range(gas):
+            x, y = M.micro_batch(step, rank, m, world=world, gas=gas, size=micro)
+            engine.backward(engine(x.to(dtype), y))
+            engine.step()
+    engine.save_checkpoint(out_dir, tag="resumed")
+    masters = get_fp32_state_dict_from_zero_checkpoint(out_dir, tag="resumed") \
+        if rank == 0 else None
+    lr = engine.get_lr()[0]
+    engine.close()
+    return steps, client, lr, masters
+
+
+def _max_diff(ours: dict, expected: dict) -> float:
+    assert sorted(ours) == sorted(expected)
+    return max((ours[k].float() - expected[k].float()).abs().max().item() for k in expected)
+
+
+@pytest.mark.parametrize("case_name,world,stage,gas,micro", [
+    ("z2_fp32_w2", 3, 3, 1, 2),      # DeepSpeed ZeRO-2 on 2 ranks -> ZeRO-3 on 3
+    ("z3_fp32_w3", 2, 1, 1, 3),      # DeepSpeed ZeRO-3 on 3 ranks -> ZeRO-1 on 2
+    ("z1_bf16_w2", 4, 3, 1, 1),      # bf16 (bf16_zero_pp_rank files) on 2 -> ZeRO-3 on 4
+    ("z3_bf16_w2", 1, 2, 4, 1),      # bf16 ZeRO-3 on 2 -> ZeRO-2 on 1
+    ("z3_frozen_fp32_w2", 4, 2, 1, 1),   # frozen norm, ZeRO-3 on 2 -> ZeRO-2 on 4
+])
+def test_deepspeed_run_continues_in_zerotrain(worlds, tmp_path, case_name, world, stage, gas,
+                                              micro):
+    expected = load_file(os.path.join(FIXTURES, case_name, "expected.safetensors"))
+    results = worlds.run(world, _resume, case_name, stage, gas, micro, str(tmp_path / "out"))
+    steps, client, lr, masters = results[0]
+    assert steps == M.BEFORE
+    assert client["epoch"] == 2 and client["note"] == "saved by the fixture"
+    assert client["best"] == [0.5, 0.25] and torch.equal(client["counts"], torch.tensor([1, 2, 3]))
+    assert lr == pytest.approx(M.LR)            # WarmupLR continued past its 4 warm-up steps
+    tolerance = 1e-4 if case_name.endswith(("bf16_w2",)) else 1e-6
+    assert _max_diff(masters, expected) <= tolerance
+
+
+def test_without_optimizer_state_the_run_does_not_continue_the_same(worlds, tmp_path):
+    """The control: the same resume with fresh Adam moments lands far from DeepSpeed's."""
+    expected = load_file(os.path.join(FIXTURES, "z2_fp32_w2", "expected.safetensors"))
+    results = worlds.run(2, _resume, "z2_fp32_w2", 2, 1, 3, str(tmp_path / "out"),
+                         load_optimizer=False)
+    assert _max_diff(results[0][3], expected) > 1e-4
+
+
+def _auto_resume(rank, world, save_dir):
+    import zerotrain
+    from zerotrain.errors import ConfigError
+
+    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
+        config = json.load(f)["config"]
+    model = M.make_model(seed=1)
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
+                                      config=dict(config, checkpoint={"auto_resume": save_dir}))
+    weight = engine.module.fc1.weight.detach().clone()
+    steps, lr = engine.global_steps, engine.get_lr()[0]
+    engine.close()
+    other = M.make_model()
+    try:
+        zerotrain.initialize(model=other, model_parameters=M.param_groups(other),
+                             config=dict(config, checkpoint={
+                                 "auto_resume": os.path.join(save_dir, f"global_step{M.BEFORE}")}))
+    except ConfigError as exc:
+        return steps, lr, weight, str(exc)
+    return steps, lr, weight, None
+
+
+def test_auto_resume_recognises_a_deepspeed_save_directory(worlds):
+    save_dir = os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint")
+    steps, lr, weight, error = worlds.run(2, _auto_resume, save_dir)[0]
+    module = load_file(os.path.join(FIXTURES, "z2_fp32_w2", "consolidated.safetensors"))
+    assert steps == M.BEFORE and lr == pytest.approx(M.LR / 2)
+    assert torch.equal(weight, module["fc1.weight"])
+    assert error is not None and "one tag of a DeepSpeed checkpoint" in error \
+        and save_dir in error

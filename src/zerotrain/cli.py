@@ -178,11 +178,12 @@ def _launch(argv: list[str]) -> int:
 def _as_deepspeed(argv: list[str]) -> Optional[list[str]]:
     """torchrun arguments that run the script through ``zerotrain.as_deepspeed``, which
     makes ``deepspeed`` imports resolve to zerotrain in each worker and, like DeepSpeed's
-    launcher, passes ``--local_rank`` (unless ``--no_local_rank`` is given)."""
+    launcher, passes ``--local_rank`` (unless ``--no_local_rank`` is given). Our two flags
+    count only before the script; after it they are the script's own arguments."""
     from torch.distributed.run import get_args_parser
 
-    options = [a for a in argv if a not in ("--as-deepspeed", "--no_local_rank")]
-    runner = ["--no_local_rank"] if "--no_local_rank" in argv else []
+    ours = ("--as-deepspeed", "--no_local_rank")
+    options = [a for a in argv if a not in ours]
     try:
         parsed = get_args_parser().parse_args(options)
     except SystemExit:
@@ -191,12 +192,22 @@ def _as_deepspeed(argv: list[str]) -> Optional[list[str]]:
         print("zerotrain launch: --as-deepspeed runs a Python script; it cannot be combined "
               "with --no-python", file=sys.stderr)
         return None
-    at = len(options) - len(parsed.training_script_args) - 1
-    torchrun_options = [a for a in options[:at] if a not in ("-m", "--module")]
-    if parsed.module:
-        runner.append("-m")
+    at = len(options) - len(parsed.training_script_args) - 1   # the script, in ``options``
+    kept, script = 0, len(argv)
+    for i, arg in enumerate(argv):
+        if arg not in ours:
+            if kept == at:
+                script = i
+                break
+            kept += 1
+    prefix, script_args = argv[:script], argv[script + 1:]
+    if "--as-deepspeed" not in prefix:
+        return argv   # the flag belongs to the script
+    torchrun_options = [a for a in prefix if a not in ours + ("-m", "--module")]
+    runner = (["--no_local_rank"] if "--no_local_rank" in prefix else []) + (
+        ["-m"] if parsed.module else [])
     return torchrun_options + ["-m", "zerotrain.as_deepspeed", *runner, parsed.training_script,
-                               *parsed.training_script_args]
+                               *script_args]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

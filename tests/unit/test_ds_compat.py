@@ -159,3 +159,20 @@ def test_python_dash_m_zerotrain_runs_the_command(monkeypatch, capsys):
         runpy.run_module("zerotrain", run_name="__main__", alter_sys=True)
     assert info.value.code == 0
     assert "1B parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--standalone", "--nproc_per_node", "2", "--as-deepspeed", "train.py", "--lr", "1"],
+     ["--standalone", "--nproc_per_node", "2", "-m", "zerotrain.as_deepspeed", "train.py",
+      "--lr", "1"]),
+    (["--as-deepspeed", "--no_local_rank", "--nnodes", "1", "-m", "pkg.train", "--y"],
+     ["--nnodes", "1", "-m", "zerotrain.as_deepspeed", "--no_local_rank", "-m", "pkg.train",
+      "--y"]),
+    (["--as-deepspeed", "t.py", "--no_local_rank"],   # after the script: the script's own
+     ["-m", "zerotrain.as_deepspeed", "t.py", "--no_local_rank"]),
+    (["t.py", "--as-deepspeed"], ["t.py", "--as-deepspeed"]),
+])
+def test_launch_as_deepspeed_runs_the_script_through_the_switch(argv, expected):
+    from zerotrain.cli import _as_deepspeed
+
+    assert _as_deepspeed(argv) == expected

@@ -101,8 +101,12 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     on_host = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
                if settings.cpu_checkpointing else contextlib.nullcontext())
     # on_host sees exactly the inputs checkpoint saves: the segment's own operations save
-    # into checkpoint's inner hooks. No early stop: Note "checkpointing and stage 3".
-    with on_host, torch_checkpoint.set_checkpoint_early_stop(False):
+    # into checkpoint's inner hooks. No early stop: Note "checkpointing and stage 3". Under
+    # torch.compile the segment becomes one recomputed graph region, where early stop does
+    # not apply (and the context manager would break the graph).
+    early_stop = (contextlib.nullcontext() if torch.compiler.is_compiling()
+                  else torch_checkpoint.set_checkpoint_early_stop(False))
+    with on_host, early_stop:
         outputs = torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
     return _deepspeed_outputs(outputs)
 

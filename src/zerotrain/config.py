@@ -33,6 +33,7 @@ from .errors import ConfigError
 
 __all__ = [
     "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "CheckpointConfig",
+    "CompileConfig",
     "DataTypesConfig", "FP16Config", "OPTIMIZER_PARAMS", "OffloadConfig", "OptimizerConfig",
     "SGDParams", "SchedulerConfig", "UNIMPLEMENTED_KEYS", "ZeroConfig", "ZeroTrainConfig",
     "ZeroTrainConfigWarning", "load_activation_checkpointing", "load_config",
@@ -48,7 +49,7 @@ class ZeroTrainConfigWarning(UserWarning):
 # DeepSpeed keys zerotrain accepts but ignores, by section (dotted path, "" = top level).
 _UNIMPLEMENTED_NAMES = {
     "": """aio amp autotuning comet comms_logger
-        compile compression_training csv_monitor curriculum_learning
+        compression_training csv_monitor curriculum_learning
         data_efficiency dataloader_drop_last disable_allgather disable_python_gc dump_state
         eigenvalue elasticity expert_parallel flops_profiler gradient_allreduce_op
         gradient_predivide_factor graph_harvesting hybrid_engine log_level
@@ -78,6 +79,11 @@ _UNIMPLEMENTED_NAMES = {
     "data_types": "param_dtype buffer_dtype",
     "optimizer": "legacy_fusion",
     "optimizer.params": "max_grad_norm",  # DeepSpeed ignores it too, pointing to gradient_clipping
+    # DeepSpeed's DeepCompile options (graph passes zerotrain does not have)
+    "compile": """deepcompile free_activation offload_activation offload_opt_states
+        double_buffer symmetric_memory dump_graphs debug_log offload_parameters
+        sync_before_reduce sync_after_reduce sync_before_allgather sync_after_allgather
+        keep_int_input_tensors keep_all_input_tensors""",
     "checkpoint": "tag_validation load_universal use_node_local_storage parallel_write writer",
 }
 UNIMPLEMENTED_KEYS: Dict[str, FrozenSet[str]] = {
@@ -256,6 +262,23 @@ class ActivationCheckpointingConfig(_Section):
     profile: bool = False
 
 
+TORCH_COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options", "disable")
+
+
+class CompileConfig(_Section):
+    """``torch.compile`` of the model by the engine (``docs/compile.md``).
+
+    ``enabled``: ``initialize`` calls ``engine.compile`` with ``backend`` and ``kwargs``
+    (any of ``TORCH_COMPILE_KWARGS``); ``fallback``: null (a block that fails to compile
+    raises an error naming it and the backend) or "eager" (such a block runs eagerly).
+    """
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: Dict[str, Any] = Field(default_factory=dict)
+    fallback: Optional[Literal["eager"]] = None
+
+
 class ZeroTrainConfig(_Section):
     """The whole validated config; build it with ``load_config``, which resolves the batch sizes."""
 
@@ -272,6 +295,7 @@ class ZeroTrainConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     steps_per_print: int = Field(10, ge=1)
     wall_clock_breakdown: bool = False
     communication_data_type: Optional[PrecisionName] = None   # gradient reductions
@@ -597,6 +621,10 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
         bf16 = walk.user_path("bf16.enabled")
         raise ConfigError("fp16.enabled", f"fp16.enabled and {bf16} are both true; "
                                           "enable at most one of them", value=True)
+    for key in result.compile.kwargs:
+        if key not in TORCH_COMPILE_KWARGS:
+            raise _unknown_key(key, walk.user_path(f"compile.kwargs.{key}"),
+                               list(TORCH_COMPILE_KWARGS), [])
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(result.zero_optimization, name)
         if offload is not None and offload.device == "nvme" and not offload.nvme_path:

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import checkpoint, export
 from .comm import Communicator
+from .compile import Compilation, CompileSettings
 from .config import ZeroTrainConfig
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
@@ -63,6 +64,7 @@ class ZeroEngine(nn.Module):
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self._comm_mark = (self.global_steps, _reach_totals(comm.ledger))
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
+        self._compilation: Optional[Compilation] = None
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -102,6 +104,48 @@ class ZeroEngine(nn.Module):
                 self._take_model_step(lr_kwargs or {})
             self.micro_steps += 1
             self.stage.begin_backward(self.is_gradient_accumulation_boundary())
+
+    def compile(self, backend: Any = "inductor", mode: Optional[str] = None, *,
+                compile_kwargs: Optional[dict] = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False, fallback: Optional[str] = None,
+                **kwargs: Any) -> None:
+        """``torch.compile`` the module the way the stage allows (docs/compile.md): whole
+        at stages 0-2, per unit (block) at stage 3, hooks outside the graphs. Call it on
+        every rank; it compiles lazily, at each module's first forward.
+
+        ``kwargs`` (or DeepSpeed's ``compile_kwargs`` dict) go to ``torch.compile``;
+        ``fallback="eager"`` runs a block that fails to compile eagerly instead of
+        raising. Calling it again replaces the earlier compilation. DeepSpeed's
+        ``schedule`` (DeepCompile) and ``compiled_autograd_enabled`` are not supported.
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise ConfigError("compile", "DeepCompile schedules and compiled autograd are "
+                              "not supported; call engine.compile(backend, mode, **kwargs)")
+        settings = CompileSettings(backend=backend, mode=mode,
+                                   options={**(compile_kwargs or {}), **kwargs},
+                                   fallback=fallback)
+        previous, self._compilation = self._compilation, None
+        if previous is not None:
+            previous.undo()
+        try:
+            compilation = Compilation(self.stage.compile_targets(self.module), settings)
+        except Exception:
+            if previous is not None:   # a failed call leaves the engine as it was
+                previous.install()
+                self._compilation = previous
+            raise
+        compilation.install()
+        self._compilation = compilation
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``compile`` (or the config's ``compile.enabled``) compiled the module."""
+        return self._compilation is not None
+
+    @property
+    def compiled_modules(self) -> list[str]:
+        """Paths of the modules whose forward is compiled ('<root>': the whole model)."""
+        return list(self._compilation.names) if self._compilation else []
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
         if not self._backward_in_window:

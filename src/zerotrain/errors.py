@@ -40,3 +40,7 @@ class StateError(ZeroTrainError, RuntimeError):
 
 class NonFiniteGradientError(ZeroTrainError, FloatingPointError):
     """A gradient was inf or nan outside fp16 loss scaling, where a skipped step would hide it."""
+
+
+class CompileError(ZeroTrainError, RuntimeError):
+    """``torch.compile`` failed on a module; the message names the module and the backend."""

@@ -10,7 +10,9 @@ The order matters and is written down here:
 4. a fingerprint exchange, so ranks that disagree fail with a message instead of a hang;
 5. rank 0's parameters broadcast, so every rank starts from the same weights;
 6. the stage, which shards the optimizer and installs the gradient hooks;
-7. the scheduler and the data loader, which need the stage's optimizer and the world size.
+7. the scheduler and the data loader, which need the stage's optimizer and the world size;
+8. with ``compile.enabled``, ``engine.compile``: last, because what is compiled depends on
+   the stage's hooks (per unit at stage 3, docs/compile.md).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from . import checkpointing
 from .checkpoint.deepspeed import is_deepspeed_tag_dir
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device)
+from .compile import refuse_precompiled
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
 from .dataloader import DistributedLoader
@@ -81,6 +84,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     """
     if model is None:
         raise ConfigError("model", "initialize() needs model=")
+    refuse_precompiled(model)
     if mpu is not None:
         raise ConfigError("mpu", "model parallelism (mpu) is not supported; zerotrain is "
                           "data parallel")
@@ -126,6 +130,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                         lr_scheduler=scheduler, training_dataloader=loader)
     register_engine(engine, model.parameters())   # for zerotrain.utils.safe_get_full_*
     _auto_resume(engine, cfg)
+    if cfg.compile.enabled:
+        engine.compile(backend=cfg.compile.backend, fallback=cfg.compile.fallback,
+                       **cfg.compile.kwargs)
     return engine, engine.optimizer, loader, scheduler
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from ..comm import Communicator
 from ..flat import Block, FlatLayout
@@ -97,6 +98,10 @@ class Stage(Protocol):
 
     def memory_peaks(self) -> dict[str, int]:
         """Figures for ``memory_breakdown`` that are not tensors held now (bytes)."""
+
+    def compile_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The submodules of ``module`` (by path) whose forwards ``torch.compile`` may
+        trace whole: none of the stage's hooks runs inside them (``compile.py``)."""
 
 
 class BucketedStage:
@@ -209,6 +214,10 @@ class BucketedStage:
     @property
     def copy_ledger(self) -> CopyLedger:
         return self.storage.transfers.ledger
+
+    def compile_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The whole module: these stages hook only parameters, never module calls."""
+        return [("", module)]
 
 
 _CATEGORY = {"device": "", "host": "host_", "nvme": "nvme_"}  # memory_breakdown prefixes

@@ -129,6 +129,17 @@ class PartitionedDataParallel(BucketedStage):
         for unit in self.units:
             unit.regather()
 
+    def compile_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Hooked unit modules that contain no other hooked module (the blocks): their
+        forwards compile whole while the gather hooks stay outside (``compile.py``)."""
+        hooked = {id(module)} | {id(u.spec.module) for u in self.units if not u.spec.persistent}
+        targets = []
+        for name, sub in module.named_modules():
+            if id(sub) in hooked and not any(
+                    id(inner) in hooked for inner in list(sub.modules())[1:]):
+                targets.append((name, sub))
+        return targets
+
     # ------------------------------------------------------------------ state
     def shard_records(self) -> list[ShardRecord]:
         out = []

@@ -1,0 +1,176 @@
+"""``torch.compile`` under a ZeRO stage: which modules are compiled, and what a failure does.
+
+Note: what is compiled
+    Stages 0-2 reach the module only through hooks on parameters (post-accumulate-grad),
+    and those run in the autograd engine after a compiled backward has produced the
+    gradient, exactly as after an eager one. So the whole module's forward is compiled as
+    one function. Stage 3 gathers and releases parameters in forward hooks on its units'
+    modules (``zero3/hooks.py``); traced into a graph, those hooks (collectives, ``.data``
+    swaps) break it or force a recompilation every step. So stage 3 compiles per unit:
+    each unit module that contains no other unit module (a transformer block, with the
+    default ``stage3_prefetch_bucket_size``) gets a compiled forward, and the hooks run
+    around it, eagerly. A unit whose module contains another unit (a block split into
+    several units because it is larger than ``stage3_prefetch_bucket_size``) runs eagerly,
+    as does code outside every unit (the root's own forward: embeddings, head, loss).
+    The stage names its targets (``Stage.compile_targets``); this module only compiles.
+
+Note: forward, not __call__
+    ``nn.Module.compile()`` compiles ``_call_impl``, the module's hooks included. Here the
+    compiled function replaces the instance's ``forward`` attribute instead, so
+    ``module(x)`` still dispatches the hooks in Python and only the body is traced. The
+    blocks of a model share one code object, so one graph serves them all (dynamo
+    guards on shapes, dtypes and grad mode, not on which block runs it): after the first
+    step nothing is compiled again unless a shape, dtype or mode changes.
+
+Note: failures
+    A backend that does not exist is refused when ``compile`` is called, before any module
+    is changed. A backend that fails on a block does so at that block's first forward:
+    the error names the block and the backend. With ``fallback="eager"`` that block, and
+    every block sharing its code, runs eagerly from then on, with a warning.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from .errors import CompileError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompileSettings", "Compilation", "refuse_precompiled"]
+
+FALLBACKS = (None, "eager")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """What ``torch.compile`` gets for every target.
+
+    ``backend``: a registered backend name or a callable ``(GraphModule, inputs) ->
+    callable``; ``mode``: torch's ``mode`` (None, "default", "reduce-overhead",
+    "max-autotune", ...); ``options``: the remaining ``torch.compile`` keyword arguments
+    (``fullgraph``, ``dynamic``, ``options``); ``fallback``: None (a failure raises) or
+    "eager" (the failing block runs eagerly).
+    """
+
+    backend: Union[str, Callable[..., Any]] = "inductor"
+    mode: Optional[str] = None
+    options: dict[str, Any] = field(default_factory=dict)
+    fallback: Optional[str] = None
+
+    @property
+    def backend_name(self) -> str:
+        if isinstance(self.backend, str):
+            return self.backend
+        return getattr(self.backend, "__name__", type(self.backend).__name__)
+
+
+class _CompiledForward:
+    """Installed as a target's ``forward``: the compiled body, or the eager one after a
+    failure with ``fallback="eager"`` (Note "failures")."""
+
+    def __init__(self, name: str, original: Callable[..., Any], compiled: Callable[..., Any],
+                 compilation: "Compilation") -> None:
+        self.name = name
+        self.original = original
+        self.compiled = compiled
+        self.compilation = compilation
+        self.code = getattr(original, "__code__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.code is not None and self.code in self.compilation.failed_code:
+            return self.original(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            return self.compilation.failed(self, exc, args, kwargs)
+
+
+class Compilation:
+    """The compiled forwards of one engine: ``install`` them, ``undo`` to restore the
+    eager ones."""
+
+    def __init__(self, targets: list[tuple[str, nn.Module]], settings: CompileSettings) -> None:
+        """Compile every target's current forward (lazily: tracing happens at its first
+        call); ``install`` puts them in place.
+
+        Raises ConfigError when the backend does not exist or torch refuses the arguments.
+        """
+        if settings.fallback not in FALLBACKS:
+            raise ConfigError("compile.fallback", f"expected null or \"eager\", got "
+                              f"{settings.fallback!r}", value=settings.fallback)
+        self.settings = settings
+        self.failed_code: set[Any] = set()
+        self.fallen_back: list[str] = []
+        self.names = [name or "<root>" for name, _ in targets]
+        self._forwards = [(module, _CompiledForward(label, module.forward,
+                                                    self._compile(label, module.forward), self))
+                          for label, (_, module) in zip(self.names, targets)]
+        self._installed: list[tuple[nn.Module, Optional[Callable[..., Any]]]] = []
+
+    def install(self) -> None:
+        """Make the compiled forwards the targets' ``forward``."""
+        for module, forward in self._forwards:
+            self._installed.append((module, module.__dict__.get("forward")))
+            module.forward = forward
+        logger.info("torch.compile (backend %s, mode %s): %s", self.settings.backend_name,
+                    self.settings.mode, ", ".join(self.names))
+
+    def _compile(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        s = self.settings
+        try:
+            return torch.compile(forward, backend=s.backend, mode=s.mode, **s.options)
+        except torch._dynamo.exc.InvalidBackend:
+            raise ConfigError(
+                "compile.backend", f"{s.backend_name!r} is not a torch.compile backend "
+                f"(compiling block {name!r})", value=s.backend_name,
+                suggestion="available: " + ", ".join(torch._dynamo.list_backends())) from None
+        except (TypeError, RuntimeError, ValueError) as exc:
+            raise ConfigError("compile.kwargs", f"torch.compile refused the arguments for "
+                              f"block {name!r} with backend {s.backend_name!r}: "
+                              f"{exc}", value=s.options) from None
+
+    def failed(self, target: _CompiledForward, exc: Exception, args: tuple,
+               kwargs: dict) -> Any:
+        """A target's compilation failed at its first call: raise, or fall back to eager."""
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        what = (f"torch.compile of block {target.name!r} with backend "
+                f"{self.settings.backend_name!r} failed: {type(exc).__name__}: {first_line}")
+        if self.settings.fallback != "eager":
+            raise CompileError(what + " (set \"compile\": {\"fallback\": \"eager\"} to run "
+                               "such blocks eagerly, or choose another backend)") from exc
+        logger.warning("%s; running it eagerly (compile.fallback is \"eager\")", what)
+        if target.code is not None:
+            self.failed_code.add(target.code)
+        self.fallen_back.append(target.name)
+        return target.original(*args, **kwargs)
+
+    def undo(self) -> None:
+        """Put the eager forwards back (the compiled code is dropped with them)."""
+        for module, previous in reversed(self._installed):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        self._installed.clear()
+
+
+def refuse_precompiled(model: nn.Module) -> None:
+    """Refuse a module compiled before ``initialize`` (why: Note "forward, not __call__";
+    a ``torch.compile`` wrapper also renames every parameter ``_orig_mod.*``)."""
+    fix = ("pass the uncompiled module to initialize and let zerotrain compile it: set "
+           "\"compile\": {\"enabled\": true} in the config, or call engine.compile() after "
+           "initialize")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ConfigError("model", f"initialize() got a torch.compile wrapper around "
+                          f"{type(model._orig_mod).__name__}; {fix} (the original module "
+                          "is model._orig_mod)")
+    for name, module in model.named_modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            where = f"submodule {name!r}" if name else "the model"
+            raise ConfigError("model", f"{where} was compiled with Module.compile() before "
+                              f"initialize; {fix}")

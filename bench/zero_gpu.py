@@ -13,7 +13,8 @@ arithmetic the ZeRO cases run, not autocast over fp32 weights. Cases: ``plain``,
 (``ds_stage1`` ...) when it is importable; a case that cannot run prints why. Each case
 runs in its own process group (``--nproc`` processes, one GPU each; plain uses DDP above
 one) and prints one JSON line; the table gives seconds per step, the ratio to plain measured
-in the same run, and peak device memory of rank 0.
+in the same run, and peak device memory of rank 0. ``--compile`` compiles every case
+(plain: ``model.compile()``; the engines: ``engine.compile()``).
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def run_case(case: str, args) -> dict:
     idx = torch.randint(0, VOCAB, (args.batch, args.seq), device=device)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if case == "plain":
+        if args.compile:
+            model.compile()
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         step = _plain(model, device, world)
@@ -92,6 +95,8 @@ def run_case(case: str, args) -> dict:
             import zerotrain as lib
         engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(),
                                     config=_config(case, args))
+        if args.compile:
+            engine.compile()
 
         def step(idx):
             engine.backward(engine(idx, idx))
@@ -144,6 +149,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per case")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--compile", action="store_true", help="torch.compile every case")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -164,7 +170,8 @@ def _table(rows: list[dict], args) -> None:
                 None)
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"\n{args.nproc} x {where}, torch {torch.__version__}, GPT {args.size}, micro-batch "
-          f"{args.batch} x {args.seq} per rank, bf16 parameters, fp32 masters and Adam")
+          f"{args.batch} x {args.seq} per rank, bf16 parameters, fp32 masters and Adam"
+          + (", compiled" if args.compile else ""))
     print("| case | s/step | ratio to plain | peak GiB |\n|---|---|---|---|")
     for r in rows:
         if "s_per_step" not in r:

@@ -21,7 +21,8 @@ Printed, one row per stage (a markdown table):
   max |Δloss|: between the compiled and eager losses, over all steps (rank-local);
   max |Δparam|: between the compiled and eager parameters after the last step (AdamW moves
       an element whose gradient is near zero by up to lr per step whatever its size, so a
-      rounding difference there shows at the scale of lr);
+      rounding difference there shows at the scale of lr; ``--optimizer SGD`` shows the
+      rounding alone);
   other load: cores kept busy by other processes during the row (time rows with other
       load above ~0.3 are slowed by co-tenants).
 
@@ -68,7 +69,8 @@ def _own_cpu() -> float:
 def _config(args, stage: int) -> dict:
     return {"train_micro_batch_size_per_gpu": args.batch, "steps_per_print": 10 ** 9,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95],
-                                                      "weight_decay": 0.1}},
+                                                      "weight_decay": 0.1}}
+            if args.optimizer == "AdamW" else {"type": "SGD", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000,
                                   "allgather_bucket_size": 5_000_000,
                                   "stage3_param_persistence_threshold": 0}}
@@ -168,6 +170,8 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    parser.add_argument("--optimizer", choices=("AdamW", "SGD"), default="AdamW",
+                        help="SGD (lr 1e-2) shows the rounding without Adam's amplification")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,7 +185,8 @@ def main() -> int:
     print(f"\ncpu count {os.cpu_count()}, torch {torch.__version__}, backend {args.backend} "
           f"(mode {args.mode}), world size {WORLD}, 1 thread per rank; GPT {args.layers} "
           f"layers, d_model {args.d_model}, vocab {args.vocab}, seq {args.seq}, "
-          f"micro-batch {args.batch}, {n_params:,} parameters, {args.steps} steps\n")
+          f"micro-batch {args.batch}, {n_params:,} parameters, {args.steps} steps of "
+          f"{args.optimizer}\n")
     print("| stage | compiled modules | eager s/step | compiled s/step | ratio | CPU s/step "
           "eager / compiled | first 2 steps (s) | graphs (after step 2) | graph breaks | "
           "max \\|Δloss\\| | max \\|Δparam\\| | other load |")

@@ -31,6 +31,7 @@ Note: failures
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -162,10 +163,13 @@ class Compilation:
 def refuse_precompiled(model: nn.Module) -> None:
     """Refuse a module compiled before ``initialize`` (why: Note "forward, not __call__";
     a ``torch.compile`` wrapper also renames every parameter ``_orig_mod.*``)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:   # nothing was compiled in this process (and importing it is slow)
+        return
     fix = ("pass the uncompiled module to initialize and let zerotrain compile it: set "
            "\"compile\": {\"enabled\": true} in the config, or call engine.compile() after "
            "initialize")
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if isinstance(model, dynamo.eval_frame.OptimizedModule):
         raise ConfigError("model", f"initialize() got a torch.compile wrapper around "
                           f"{type(model._orig_mod).__name__}; {fix} (the original module "
                           "is model._orig_mod)")

@@ -73,8 +73,9 @@ class _HeldAfterForward:
         self.handles = [b.register_forward_pre_hook(self._capture) for b in model.blocks]
 
     def _capture(self, module, args):
-        for p in module.parameters():
-            self.refs.append(p.untyped_storage()._weak_ref())
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage()
+                    for p in module.parameters()}   # a unit's parameters share one storage
+        self.refs.extend(s._weak_ref() for s in storages.values())
 
     def measure(self):
         gc.collect()

@@ -8,11 +8,16 @@ Note: what is compiled
     modules (``zero3/hooks.py``); traced into a graph, those hooks (collectives, ``.data``
     swaps) break it or force a recompilation every step. So stage 3 compiles per unit:
     each unit module that contains no other unit module (a transformer block, with the
-    default ``stage3_prefetch_bucket_size``) gets a compiled forward, and the hooks run
-    around it, eagerly. A unit whose module contains another unit (a block split into
-    several units because it is larger than ``stage3_prefetch_bucket_size``) runs eagerly,
-    as does code outside every unit (the root's own forward: embeddings, head, loss).
-    The stage names its targets (``Stage.compile_targets``); this module only compiles.
+    default ``stage3_prefetch_bucket_size``) gets a compiled forward, and the hooks that
+    gather and release it run around it, eagerly. The modules inside a block have hooks
+    too, but there the unit is already held and they only count the nesting depth
+    (``zero3/hooks.py``, Note: entry points): dynamo traces that as plain Python, with no
+    graph break. A module inside a block that uses another unit's parameter (a tied or
+    external one) would gather that unit inside the graph and break it there. A unit whose
+    module contains another unit (a block split into several units because it is larger
+    than ``stage3_prefetch_bucket_size``) runs eagerly, as does code outside every unit
+    (the root's own forward: embeddings, head, loss). The stage names its targets
+    (``Stage.compile_targets``); this module only compiles.
 
 Note: forward, not __call__
     ``nn.Module.compile()`` compiles ``_call_impl``, the module's hooks included. Here the

@@ -130,8 +130,8 @@ class PartitionedDataParallel(BucketedStage):
             unit.regather()
 
     def compile_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        """Hooked unit modules that contain no other hooked module (the blocks): their
-        forwards compile whole while the gather hooks stay outside (``compile.py``)."""
+        """Unit modules that contain no other unit module (the blocks): their forwards
+        compile whole while the hooks that gather them stay outside (``compile.py``)."""
         hooked = {id(module)} | {id(u.spec.module) for u in self.units if not u.spec.persistent}
         targets = []
         for name, sub in module.named_modules():

@@ -86,3 +86,15 @@ def test_step_alone_writes_back_group_entries_the_step_changes():
     p.grad = torch.ones(3)
     step_alone(opt, 0, p)
     assert opt.param_groups[0]["visits"] == 1 and torch.equal(p, -torch.ones(3))
+
+
+def test_host_updater_takes_its_thread_count_from_the_environment(monkeypatch):
+    import zerotrain.offload.updater as U
+    monkeypatch.setattr(U, "available_cores", lambda: 24)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    masters = _records(1)
+    assert HostUpdater(torch.optim.AdamW(masters), HostStorage(False)).threads == 6
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert HostUpdater(torch.optim.AdamW(masters), HostStorage(False)).threads is None

@@ -62,6 +62,11 @@ class DeviceStorage:
         """``shard`` on ``device`` for a collective, and the context to launch it in."""
         return shard.to(device), contextlib.nullcontext()
 
+    def upload(self, master: torch.Tensor, dtype: torch.dtype,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``master`` (kept here, on the device) as ``dtype`` on the device, or into ``out``."""
+        return master.to(dtype) if out is None else out.copy_(master)
+
     def close(self) -> None:
         pass
 
@@ -87,6 +92,12 @@ class HostStorage:
         """``shard`` (host) on ``device``, copied on the side stream, and the context to
         launch its collective in (Note "copy streams" in transfers.py)."""
         return self.transfers.send(shard, device)
+
+    def upload(self, master: torch.Tensor, dtype: torch.dtype,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``master`` (fp32, kept here) as ``dtype`` on the device, cast on the host so
+        only ``dtype``'s bytes cross (Note "the copy ledger" in transfers.py)."""
+        return self.transfers.upload(master, dtype, out)
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not self.pin or numel == 0:

@@ -131,10 +131,8 @@ class ShardedDataParallel(BucketedStage):
         group = self.groups[k]
         if group.aliased:
             return
-        if self.storage.on_host:   # cast on the host, 16 bits up (offload/transfers.py)
-            shard = self.storage.transfers.upload(group.master, self.policy.param_dtype)
-        else:
-            shard = group.master.to(self.policy.param_dtype)
+        # on the host when offloaded: cast there, so 16 bits go up (offload/transfers.py)
+        shard = self.storage.upload(group.master, self.policy.param_dtype)
         if group.layout.world > 1:
             self._gather_into_params(group, shard)
             return

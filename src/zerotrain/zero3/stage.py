@@ -116,13 +116,12 @@ class PartitionedDataParallel(BucketedStage):
             # backward (with dpu this runs right after it): let those land first
             self.param_storage.transfers.synchronize()
         unit, s = self._records[k]
-        if (self.storage.on_host and not self.param_storage.on_host
-                and unit.shard is not unit.master):
-            # fp32 master on the host, 16-bit shard on the device: cast on the host, 2 bytes up
-            self.storage.transfers.upload(self._masters[k], unit.shard.dtype, out=unit.shard[
-                s.column: s.column + s.layout.shard_numel])
+        if self.param_storage.on_host or unit.shard is unit.master:
+            unit.refresh_slice(s, self._masters[k])   # host to host, or nothing to do
             return
-        unit.refresh_slice(s, self._masters[k])
+        # the shard is on the device: the master's storage sends it (cast on the host)
+        self.storage.upload(self._masters[k], unit.shard.dtype,
+                            out=unit.shard[s.column: s.column + s.layout.shard_numel])
 
     def finish_publish(self) -> None:
         """Persistent units re-gather (collective); the others gather at their next use."""

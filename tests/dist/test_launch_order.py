@@ -53,18 +53,22 @@ def _train(rank, stage, overlap, flip):
     config = R.engine_config(stage=stage, ga=2, bucket=8, overlap=overlap)
     engine, *_ = zerotrain.initialize(model=model, config=config)
     launched, arrived = [], []
-    comm = engine.comm
-    for op in ("reduce_scatter", "all_reduce", "all_gather"):
-        def wrapper(*args, _call=getattr(comm, op), _op=op, **kwargs):
+    buckets = engine.stage.buckets
+    # the buckets hold their reduce-scatter (a plug-in at stage 3); the rest is comm's
+    for owner, op in ((engine.comm, "all_reduce"), (engine.comm, "all_gather"),
+                      (engine.stage.comm, "all_gather"), (buckets, "reduce_scatter")):
+        def wrapper(*args, _call=getattr(owner, op), _op=op, **kwargs):
             launched.append((_op, kwargs.get("label", "")))
             return _call(*args, **kwargs)
-        setattr(comm, op, wrapper)
-    add = engine.stage.buckets.add
+        if not getattr(getattr(owner, op), "spied", False):
+            wrapper.spied = True
+            setattr(owner, op, wrapper)
+    add = buckets.add
 
     def spy(g, index, grad):
         arrived.append((g, index))
         return add(g, index, grad)
-    engine.stage.buckets.add = spy
+    buckets.add = spy
     R.train_engine(engine, steps=2, rank=rank, ga=2)
     with zerotrain.zero.GatheredParameters(list(model.parameters())):
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}

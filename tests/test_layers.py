@@ -34,7 +34,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("errors",), ("config", "flat", "estimate", "topology", "unsupported", "quantize"),
      ("moe", "pipe")),
     # 2. process-level services
-    (("comm", "memory", "precision", "log", "timers", "accelerator"),),
+    (("teardown",), ("comm", "memory", "precision", "log", "timers", "accelerator")),
     # 3. building blocks of a stage
     (("buckets", "optim", "schedules", "dataloader", "offload", "ops", "lr_watch",
       "hierarchy"),),

@@ -41,6 +41,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from . import teardown
 from .topology import Partition, Topology, group_of, local_node_entry
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,11 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     script runs unchanged on one process without inventing a master address. Calling it
     again once initialised does nothing. ``auto_mpi_discovery``, ``distributed_port``,
     ``verbose``, ``dist_init_required`` and ``config`` are accepted for DeepSpeed
-    compatibility.
+    compatibility. Either way (a new group or an adopted one) it registers the exit teardown
+    of ``teardown.py`` (Note: exit aborts).
     """
     if dist.is_initialized():
+        teardown.install()
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     env_world = int(os.environ.get("WORLD_SIZE", world_size if world_size > 0 else 1))
@@ -91,6 +94,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     else:
         dist.init_process_group(backend, init_method=init_method, rank=env_rank,
                                 world_size=env_world, timeout=timeout, **extra)
+    teardown.install()
     if verbose:
         logger.info("initialised %s process group: rank %d of %d", backend,
                     dist.get_rank(), dist.get_world_size())

@@ -12,6 +12,14 @@ Note: atomic publication
     new one moved in, then the old one deleted. A crash between the two renames leaves only
     ``.old-<tag>-<nonce>``; loading falls back to it and the next save renames it back.
 
+Note: one save at a time
+    Rank 0 holds an exclusive ``fcntl.flock`` on ``<save_dir>/.zerotrain-save.lock`` from
+    :func:`prepare` (which deletes what earlier saves left) until the save returns
+    (:func:`unlock`). A second job saving into the same directory meanwhile does not wait: its
+    save fails on every one of its ranks with a CheckpointError naming the directory and the
+    holder's pid, and the first job's temp directory and tags are never touched. The kernel
+    drops the lock when its process dies, so a killed job never leaves it behind.
+
 Note: crash points (tests only)
     ``ZEROTRAIN_CHECKPOINT_CRASH_AT=<point>`` makes the saving process SIGKILL itself at that
     point: ``file`` (after its first file is written into the temp directory), ``swap``
@@ -21,6 +29,8 @@ Note: crash points (tests only)
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -35,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 CRASH_ENV = "ZEROTRAIN_CHECKPOINT_CRASH_AT"
 _TMP, _OLD = ".tmp-", ".old-"
+LOCK_NAME = ".zerotrain-save.lock"
+_held_locks: dict[str, int] = {}   # realpath(save_dir) -> locked fd (Note: one save at a time)
 
 
 def crash_point(name: str) -> None:
@@ -84,10 +96,39 @@ def _old_tag(entry: str) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- writing
+def lock(save_dir: str) -> None:
+    """Take this directory's save lock or raise CheckpointError (Note: one save at a time)."""
+    key = os.path.realpath(save_dir)
+    unlock(save_dir)   # a lock left by an earlier failed save of this process
+    path = os.path.join(save_dir, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        raise CheckpointError(f"another process (pid {holder}) is saving a checkpoint into "
+                              f"{save_dir} right now; two jobs must not save into one "
+                              "directory (give each its own save_dir)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _held_locks[key] = fd
+
+
+def unlock(save_dir: str) -> None:
+    """Release this process's save lock on ``save_dir`` if it holds one (every rank may call)."""
+    fd = _held_locks.pop(os.path.realpath(save_dir), None)
+    if fd is not None:
+        os.close(fd)   # closing the descriptor drops the flock
+
+
 def prepare(save_dir: str, tag: str, nonce: str) -> str:
-    """Rank 0, before any rank writes: tidy what earlier crashed saves left, then create
-    and return the empty temp directory for this save."""
+    """Rank 0, before any rank writes: take the save lock, tidy what earlier crashed saves
+    left, then create and return the empty temp directory for this save."""
     os.makedirs(save_dir, exist_ok=True)
+    lock(save_dir)
     for entry in os.listdir(save_dir):
         path = os.path.join(save_dir, entry)
         if entry.startswith(_TMP):

@@ -44,6 +44,15 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
     kept) holds what ``client_state.py`` supports; anything else raises CheckpointError
     naming its key path, on every rank, before anything is written.
     """
+    try:
+        return _save(state, save_dir, tag=tag, client_state=client_state,
+                     save_latest=save_latest)
+    finally:
+        fs.unlock(save_dir)   # rank 0's save lock, taken in fs.prepare
+
+
+def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
+          client_state: Optional[dict], save_latest: bool) -> CheckpointReport:
     start = time.perf_counter()
     comm = state.comm
     tag = f"global_step{state.counters['global_steps']}" if tag is None else tag

@@ -17,8 +17,11 @@ Note: one save at a time
     :func:`prepare` (which deletes what earlier saves left) until the save returns
     (:func:`unlock`). A second job saving into the same directory meanwhile does not wait: its
     save fails on every one of its ranks with a CheckpointError naming the directory and the
-    holder's pid, and the first job's temp directory and tags are never touched. The kernel
-    drops the lock when its process dies, so a killed job never leaves it behind.
+    holder's pid, and the first job's temp directory and tags are never touched. The holder
+    deletes the lock file before it lets go, so no file stays behind between saves; whoever
+    locks a file that has been deleted meanwhile sees so (inode check) and starts over. The
+    kernel drops the lock when its process dies: a killed save leaves an unlocked file, which
+    the next save takes.
 
 Note: crash points (tests only)
     ``ZEROTRAIN_CHECKPOINT_CRASH_AT=<point>`` makes the saving process SIGKILL itself at that
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 CRASH_ENV = "ZEROTRAIN_CHECKPOINT_CRASH_AT"
 _TMP, _OLD = ".tmp-", ".old-"
 LOCK_NAME = ".zerotrain-save.lock"
-_held_locks: dict[str, int] = {}   # realpath(save_dir) -> locked fd (Note: one save at a time)
+_held_locks: dict[str, tuple[int, str]] = {}   # realpath(save_dir) -> (fd, lock file)
 
 
 def crash_point(name: str) -> None:
@@ -98,29 +101,47 @@ def _old_tag(entry: str) -> Optional[str]:
 # --------------------------------------------------------------------------- writing
 def lock(save_dir: str) -> None:
     """Take this directory's save lock or raise CheckpointError (Note: one save at a time)."""
-    key = os.path.realpath(save_dir)
     unlock(save_dir)   # a lock left by an earlier failed save of this process
     path = os.path.join(save_dir, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise CheckpointError(f"another process (pid {holder}) is saving a checkpoint "
+                                  f"into {save_dir} right now; two jobs must not save into "
+                                  "one directory (give each its own save_dir)") from None
+        if _same_file(fd, path):   # not unlinked by the holder we waited for: ours
+            break
         os.close(fd)
-        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise
-        raise CheckpointError(f"another process (pid {holder}) is saving a checkpoint into "
-                              f"{save_dir} right now; two jobs must not save into one "
-                              "directory (give each its own save_dir)") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _held_locks[key] = fd
+    _held_locks[os.path.realpath(save_dir)] = (fd, path)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def unlock(save_dir: str) -> None:
-    """Release this process's save lock on ``save_dir`` if it holds one (every rank may call)."""
-    fd = _held_locks.pop(os.path.realpath(save_dir), None)
-    if fd is not None:
+    """Release this process's save lock on ``save_dir`` if it holds one (every rank may call):
+    the lock file is removed while still locked, so the directory keeps no trace of it."""
+    held = _held_locks.pop(os.path.realpath(save_dir), None)
+    if held is not None:
+        fd, path = held
+        try:
+            os.remove(path)
+        except OSError:
+            pass
         os.close(fd)   # closing the descriptor drops the flock
 
 

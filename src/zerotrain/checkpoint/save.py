@@ -86,6 +86,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     if comm.rank == 0:
         final = _finish_on_rank0(state, save_dir, tmp, tag, everyone, written, small,
                                  client_tensors, save_latest)
+        fs.unlock(save_dir)   # before the last gather: ranks return to a settled directory
     final = comm.all_gather_object(final)[0]
     if final["error"]:
         raise CheckpointError(final["error"])

@@ -155,24 +155,63 @@ def _consolidate(argv: list[str]) -> int:
     return int(consolidate_main(argv) or 0)
 
 
+_AUTO_RESUME = "--auto-resume"   # ours, taken out before torchrun sees the arguments
+
+
 def _launch(argv: list[str]) -> int:
     """torchrun with ``argv``; ``--auto-resume DIR`` (ours, given before the script) makes
     every worker's ``initialize`` load the newest complete checkpoint in DIR, so combine it
-    with torchrun's ``--max-restarts N``."""
-    if "--auto-resume" in argv:
-        at = argv.index("--auto-resume")
-        if at + 1 >= len(argv):
-            print("zerotrain launch: --auto-resume needs a checkpoint directory", file=sys.stderr)
-            return 2
-        os.environ["ZEROTRAIN_AUTO_RESUME"] = argv[at + 1]  # read by initialize()
-        argv = argv[:at] + argv[at + 2:]
-    if "--as-deepspeed" in argv:
+    with torchrun's ``--max-restarts N``. Everything after the script path is the script's,
+    its own ``--auto-resume`` included."""
+    split = _launch_options(argv)
+    if split is None:
+        return 2
+    argv, ours = split
+    if ours.auto_resume is not None:
+        os.environ["ZEROTRAIN_AUTO_RESUME"] = ours.auto_resume  # read by initialize()
+    if ours.as_deepspeed:
         argv = _as_deepspeed(argv)
         if argv is None:
             return 2
     from torch.distributed.run import main as torchrun
     torchrun(argv)
     return 0
+
+
+def _launch_options(argv: list[str]) -> Optional[tuple[list[str], argparse.Namespace]]:
+    """(the arguments without ``--auto-resume DIR``, our options): torchrun's own parser,
+    with ours added, finds where the script starts; ``--auto-resume`` is taken out of what
+    comes before it only (``--as-deepspeed`` is left to :func:`_as_deepspeed`). None (after
+    argparse printed why) when the arguments do not parse."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "zerotrain launch"
+    parser.add_argument("--auto-resume", dest="auto_resume", metavar="DIR", default=None,
+                        help="load DIR's newest complete checkpoint in initialize()")
+    parser.add_argument("--as-deepspeed", dest="as_deepspeed", action="store_true")
+    parser.add_argument("--no_local_rank", dest="no_local_rank", action="store_true")
+    try:
+        parsed = parser.parse_args(argv)
+    except SystemExit:
+        return None
+    if parsed.auto_resume == "":
+        parser.print_usage(sys.stderr)
+        print("zerotrain launch: --auto-resume needs a checkpoint directory", file=sys.stderr)
+        return None
+    at = len(argv) - len(parsed.training_script_args) - 1
+    known = list(parser._option_string_actions)
+    options, i = [], 0
+    while i < at:
+        name, eq, _ = argv[i].partition("=")
+        matches = [o for o in known if o.startswith(name)] if name.startswith("--") else []
+        full = name if name in known else (matches[0] if len(matches) == 1 else None)
+        if full != _AUTO_RESUME:
+            options.append(argv[i])
+            i += 1
+            continue
+        i += 1 if eq else 2   # --auto-resume=DIR, or --auto-resume DIR
+    return options + argv[at:], parsed
 
 
 def _as_deepspeed(argv: list[str]) -> Optional[list[str]]:

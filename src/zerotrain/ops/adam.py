@@ -9,14 +9,11 @@ selects decoupled weight decay (AdamW); off, the weight decay is added to the gr
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Iterable
 
 import torch
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
-
-logger = logging.getLogger(__name__)
 
 _HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
 

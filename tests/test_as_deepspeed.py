@@ -104,6 +104,10 @@ def test_switch_names_what_is_missing_and_is_undone_by_uninstall():
         assert ZeroParamStatus is zerotrain.zero.ZeroParamStatus
         assert deepspeed.initialize is zerotrain.initialize
         assert deepspeed.__version__ == zerotrain.__version__
+        from deepspeed.ops.adam.fused_adam import FusedAdam
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+        assert FusedAdam is zerotrain.ops.adam.FusedAdam
+        assert callable(estimate_zero3_model_states_mem_needs_all_cold)
         assert deepspeed.moe.layer.MoE.__name__ == "MoE"   # importable, refuses when used
         with pytest.raises(ModuleNotFoundError, match="deepspeed.inference is not provided"):
             import deepspeed.inference  # noqa: F401

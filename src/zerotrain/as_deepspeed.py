@@ -46,6 +46,8 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.comm.comm": "zerotrain.comm",
     "deepspeed.ops": "zerotrain.ops",
     "deepspeed.ops.adam": "zerotrain.ops.adam",
+    "deepspeed.ops.adam.fused_adam": "zerotrain.ops.adam",
+    "deepspeed.ops.adam.cpu_adam": "zerotrain.ops.adam",
     "deepspeed.utils": "zerotrain.utils",
     "deepspeed.utils.logging": "zerotrain.utils",
     "deepspeed.utils.zero_to_fp32": "zerotrain.checkpoint.consolidate",
@@ -59,6 +61,8 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime.engine": "zerotrain",
     "deepspeed.runtime.zero": "zerotrain.zero",
     "deepspeed.runtime.zero.partition_parameters": "zerotrain.zero",
+    "deepspeed.runtime.zero.stage3": "zerotrain.estimate",          # the memory estimators
+    "deepspeed.runtime.zero.stage_1_and_2": "zerotrain.estimate",
     "deepspeed.runtime.activation_checkpointing": None,
     "deepspeed.runtime.activation_checkpointing.checkpointing": "zerotrain.checkpointing",
     "deepspeed.runtime.lr_schedules": "zerotrain.schedules",

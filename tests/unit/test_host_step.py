@@ -98,3 +98,21 @@ def test_host_updater_takes_its_thread_count_from_the_environment(monkeypatch):
     assert HostUpdater(torch.optim.AdamW(masters), HostStorage(False)).threads == 6
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert HostUpdater(torch.optim.AdamW(masters), HostStorage(False)).threads is None
+
+
+def test_records_step_alone_under_an_lr_scheduler_without_its_warning():
+    """A scheduler wraps the optimizer instance's step (stepping all of it); the host step
+    still visits one tensor per record, and the scheduler sees the optimizer stepped."""
+    import warnings
+    masters = _records(3)
+    opt = SpyAdamW(masters, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    updater = HostUpdater(opt, HostStorage(False))
+    SpyAdamW.calls = []
+    updater.step(masters, _gradients([torch.ones_like(m) for m in masters]),
+                 publish=lambda k: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.step()
+    assert [n for _, n in SpyAdamW.calls] == [1, 1, 1]
+    assert opt.param_groups[0]["lr"] == 0.05

@@ -60,6 +60,11 @@ def step_alone(optimizer: torch.optim.Optimizer, group_index: int,
     is ``master``'s, with ``master`` its only parameter: the same class, the same state dict
     and the same hyperparameters, so the arithmetic is the optimizer's own. Group entries the
     step writes are copied back.
+
+    The class's ``step`` is called, not the instance's: an LR scheduler replaces the
+    instance's ``step`` with a wrapper that steps the optimizer it was built on (all of
+    it), and marks that optimizer as stepped; the mark is set here instead, so the
+    scheduler does not warn that it stepped first.
     """
     group = optimizer.param_groups[group_index]
     view = object.__new__(type(optimizer))
@@ -67,7 +72,8 @@ def step_alone(optimizer: torch.optim.Optimizer, group_index: int,
     alone = dict(group)
     alone["params"] = [master]
     view.param_groups = [alone]
-    view.step()
+    type(optimizer).step(view)
+    optimizer._opt_called = True   # what the scheduler's wrapper would have recorded
     for key, value in alone.items():
         if key != "params" and group.get(key) is not value:
             group[key] = value

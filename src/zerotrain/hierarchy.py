@@ -6,6 +6,12 @@ A reduce-scatter here has the signature of ``Communicator.reduce_scatter`` (``ou
 rank's row, ``input``: one row per rank of the sharding group, row-major) and returns a
 work handle or None; the gradient buckets take one as a plug-in.
 
+Note: two-step collectives in flight
+    With ``async_op`` the first collective is launched and a handle returned whose
+    ``wait()`` finishes it and then runs the second step (more collectives, on another
+    group). The gradient buckets wait for their handles in launch order on every rank, so
+    the second steps are issued in the same order everywhere and pair up.
+
 Note: qgZ, the hierarchical all-to-all
     The sharding group is the whole world, ``K`` nodes of ``L`` ranks, rank ``k*L + l``
     (``topology.uniform``). Input row ``j`` is what this rank contributes to rank ``j``'s
@@ -42,11 +48,12 @@ class ReplicatedReduceScatter:
         self.replicas = replicas
 
     def __call__(self, out: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                 label: str = "") -> None:
-        self.shard.reduce_scatter(out, input, label=label)
-        if self.replicas.world_size > 1:
-            self.replicas.all_reduce(out, label=f"{label} across replicas")
-        return None
+                 label: str = "") -> Optional["Then"]:
+        def across() -> None:
+            if self.replicas.world_size > 1:
+                self.replicas.all_reduce(out, label=f"{label} across replicas")
+        work = self.shard.reduce_scatter(out, input, async_op=async_op, label=label)
+        return Then(work, across, async_op)
 
 
 class QuantizedHierarchicalReduceScatter:
@@ -60,27 +67,51 @@ class QuantizedHierarchicalReduceScatter:
         self.quantizer = quantizer
 
     def __call__(self, out: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                 label: str = "") -> None:
+                 label: str = "") -> Optional["Then"]:
         local, nodes, chunk = self.node.world_size, self.cross.world_size, out.numel()
         if input.numel() != self.world_size * chunk:
             raise ValueError(f"reduce_scatter input has {input.numel()} elements, expected "
                              f"{self.world_size} x {chunk}")
         rows = input.view(nodes, local, chunk).transpose(0, 1).reshape(local * nodes, chunk)
-        partial = self._exchange(self.node, rows, local, nodes, chunk, label)   # (K, chunk)
-        total = self._exchange(self.cross, partial, nodes, 1, chunk, label)    # (1, chunk)
-        out.copy_(total.view(-1))
-        return None
+        work, received = self._send(self.node, rows, async_op, label)
 
-    def _exchange(self, comm: Communicator, rows: torch.Tensor, parts: int, per_part: int,
-                  chunk: int, label: str) -> torch.Tensor:
-        """All-to-all of ``parts`` groups of ``per_part`` quantized rows; the sum over the
-        senders of what arrives, in fp32, ``(per_part, chunk)``."""
-        q = self.quantizer
-        packed = q.quantize(rows)                       # (parts * per_part, P)
+        def across() -> None:
+            partial = self._sum(received, local, nodes, chunk)                # (K, chunk)
+            _, back = self._send(self.cross, partial, False, label)
+            out.copy_(self._sum(back, nodes, 1, chunk).view(-1))
+        return Then(work, across, async_op)
+
+    def _send(self, comm: Communicator, rows: torch.Tensor, async_op: bool, label: str):
+        """All-to-all of quantized rows, cut into ``comm.world_size`` equal parts."""
+        packed = self.quantizer.quantize(rows)              # (rows, P)
         received = torch.empty_like(packed)
-        comm.all_to_all(received, packed, label=f"{label} (qgZ)")
-        values = q.dequantize(received, chunk, torch.float32)
+        work = comm.all_to_all(received, packed, async_op=async_op, label=f"{label} (qgZ)")
+        return work, received
+
+    def _sum(self, received: torch.Tensor, parts: int, per_part: int,
+             chunk: int) -> torch.Tensor:
+        """The fp32 sum over the senders of what arrived, ``(per_part, chunk)``."""
+        values = self.quantizer.dequantize(received, chunk, torch.float32)
         return values.view(parts, per_part, chunk).sum(dim=0)
+
+
+class Then:
+    """A first collective in flight and the step that follows it (Note: two-step
+    collectives in flight). Synchronous (``async_op`` False): the step has already run."""
+
+    def __init__(self, work, rest: Callable[[], None], async_op: bool) -> None:
+        self._work = work
+        self._rest: Optional[Callable[[], None]] = rest
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self._rest is None:
+            return
+        if self._work is not None:
+            self._work.wait()
+        rest, self._rest = self._rest, None
+        rest()
 
 
 class QuantizedAllGather:

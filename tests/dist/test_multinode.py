@@ -115,6 +115,18 @@ def test_hpz_is_bitwise_and_mics_within_1e6_of_plain_and_their_checkpoints_resha
         assert _max_diff(mics[0]["full"], full) == 0.0
 
 
+def test_overlapped_two_step_reductions_match_the_synchronous_ones(worlds):
+    """With overlap_comm, MiCS's and qgZ's second step runs when the bucket is waited for:
+    the same bytes and the same bits as running both steps at once."""
+    for zero in ({"mics_shard_size": 2}, {"zero_quantized_gradients": True}):
+        sync = worlds.run(4, run_bytes, 2, zero, precision="fp32")
+        overlapped = worlds.run(4, run_bytes, 2, {**zero, "overlap_comm": True},
+                                precision="fp32")
+        for a, b in zip(sync, overlapped):
+            assert _max_diff(a["full"], b["full"]) == 0.0
+            assert a["comm"] == b["comm"]
+
+
 def _bad_hpz(rank, world, size):
     import reference as R
     import zerotrain

@@ -122,6 +122,7 @@ class PartitionedDataParallel(BucketedStage):
         # the shard is on the device: the master's storage sends it (cast on the host)
         self.storage.upload(self._masters[k], unit.shard.dtype,
                             out=unit.shard[s.column: s.column + s.layout.shard_numel])
+        unit.shards_changed()   # hpZ's secondary copy is stale now
 
     def finish_publish(self) -> None:
         """Persistent units re-gather (collective); the others gather at their next use."""

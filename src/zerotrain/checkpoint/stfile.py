@@ -81,6 +81,7 @@ def write_file(path: str, specs: list[TensorSpec], produce: Callable[[TensorSpec
                 raise CheckpointError(f"{path}: tensor {spec.key!r} is {tensor.dtype} "
                                       f"{tuple(tensor.shape)}, expected {spec.dtype} {spec.shape}")
             f.write(_raw_bytes(tensor))
+            del tensor   # before the next produce(): one tensor alive, not two
         f.flush()
         os.fsync(f.fileno())
         return f.tell()

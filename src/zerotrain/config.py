@@ -657,6 +657,10 @@ def _check_hierarchical(zero: ZeroConfig, world_size: int) -> None:
                               f"size {world_size}", value=size,
                               suggestion="use a divisor of the world size, usually the ranks "
                                          "per node")
+    if zero.zero_quantized_gradients and mics not in (-1, world_size):
+        raise ConfigError("zero_optimization.zero_quantized_gradients", "quantized gradients "
+                          "reduce over the whole world through the nodes; they are not "
+                          "supported together with mics_shard_size", value=True)
     if hpz > 1 and mics != -1:
         raise ConfigError("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS "
                           "(mics_shard_size) both reshape the stage-3 partition; choose one",

@@ -40,6 +40,8 @@ def test_bad_mics_sizes_and_combinations_are_named():
         load_config(_zero(mics_shard_size=0), world_size=4)
     with pytest.raises(ConfigError, match="mics_shard_size"):
         load_config(_zero(mics_shard_size=-2), world_size=4)
+    with pytest.raises(ConfigError, match="zero_quantized_gradients: quantized gradients"):
+        load_config(_zero(mics_shard_size=2, zero_quantized_gradients=True), world_size=4)
     with pytest.raises(ConfigError, match="hpZ and MiCS"):
         load_config(_zero(zero_hpz_partition_size=2, mics_shard_size=2), world_size=4)
     with pytest.raises(ConfigError, match="zero_hpz_partition_size"):

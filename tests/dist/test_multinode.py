@@ -63,6 +63,9 @@ def test_mics_all_reduces_only_its_shard_across_nodes(worlds):
                                       "reduce_scatter": padded * 2 * STEPS,
                                       "all_reduce": NORM_BYTES * STEPS}
         assert comm["cross_node"] == {"all_reduce": 2 * (padded // 2) * 2 * STEPS}
+        # ZeRO-3 memory over the group of 2: fp32 master and two Adam moments of Ψ/2
+        state = res["memory"]["optimizer_state"]
+        assert 12 * padded // 2 <= state <= 12 * padded // 2 + 64 * 8, res["memory"]
 
 
 def test_zero_plus_plus_crosses_at_most_a_quarter_of_plain(worlds):
@@ -83,22 +86,24 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _load_elsewhere(rank, world, path, stage):
+def _load_elsewhere(rank, world, path, stage, zero=None):
     import reference as R
     import zerotrain
     from multinode_helpers import full_parameters
-    model = R.make_model()
-    config = R.engine_config(stage=stage) if stage < 3 else stage3_config("fp32")
-    engine, *_ = zerotrain.initialize(model=model, config=config)
-    engine.load_checkpoint(path, tag="t")
-    return full_parameters(model) if stage == 3 else {
-        n: p.detach().float().clone() for n, p in model.named_parameters()}
+    with as_nodes(rank, 2 if world % 2 == 0 else world):
+        model = R.make_model()
+        config = R.engine_config(stage=stage) if stage < 3 else stage3_config(
+            "fp32", **(zero or {}))
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        engine.load_checkpoint(path, tag="t")
+        return full_parameters(model) if stage == 3 else {
+            n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
 def test_hpz_is_bitwise_and_mics_within_1e6_of_plain_and_their_checkpoints_reshard(
         worlds, tmp_path):
     """fp32, 3 steps on the 2 x 2 world; then the hpZ checkpoint loads into 3 ranks at
-    stage 3 and the MiCS one into 2 ranks at stage 1, bitwise."""
+    stage 3 and into MiCS groups of 2, the MiCS one into 2 ranks at stage 1, bitwise."""
     hpz_dir, mics_dir = str(tmp_path / "hpz"), str(tmp_path / "mics")
     plain = worlds.run(4, run_bytes, 2, {}, precision="fp32", steps=3)
     hpz = worlds.run(4, run_bytes, 2, {"zero_hpz_partition_size": 2}, precision="fp32",
@@ -110,6 +115,8 @@ def test_hpz_is_bitwise_and_mics_within_1e6_of_plain_and_their_checkpoints_resha
         assert _max_diff(p["full"], m["full"]) <= 1e-6
         assert p["losses"] == h["losses"]
     for full in worlds.run(3, _load_elsewhere, hpz_dir, 3):
+        assert _max_diff(hpz[0]["full"], full) == 0.0
+    for full in worlds.run(4, _load_elsewhere, hpz_dir, 3, {"mics_shard_size": 2}):
         assert _max_diff(hpz[0]["full"], full) == 0.0
     for full in worlds.run(2, _load_elsewhere, mics_dir, 1):
         assert _max_diff(mics[0]["full"], full) == 0.0

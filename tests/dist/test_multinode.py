@@ -54,6 +54,14 @@ def test_hpz_gathers_backward_inside_the_node_and_keeps_psi_over_h_extra(worlds)
         assert res["memory"]["hpz_parameters"] == secondary // 2 * 2   # Ψ/H bf16 elements
 
 
+def test_hpz_smaller_than_the_node_uses_blocks_of_that_size(worlds):
+    """4 ranks on one node, hpZ over 2: the secondary gathers are over pairs of ranks."""
+    for res in worlds.run(4, run_bytes, 4, {"zero_hpz_partition_size": 2}):
+        secondary = sum(2 * math.ceil(n / 2) for n in res["numels"])
+        assert res["comm"]["cross_node"] == {}
+        assert res["comm"]["intra_node"]["all_gather"] == (res["padded"] + secondary) * 2 * STEPS
+
+
 def test_mics_all_reduces_only_its_shard_across_nodes(worlds):
     """Shard groups of 2 ranks (one node each): gathers and reduce-scatters stay in the
     node; only each rank's reduced shard is all-reduced with its replica on the other."""

@@ -33,8 +33,6 @@ import torch
 from .comm import Communicator
 from .quantize import BlockQuantizer
 
-ReduceScatter = Callable[..., Optional[object]]
-
 QWZ = BlockQuantizer(bits=8, block=256)   # parameters: int8 blocks (ZeRO++ qwZ)
 QGZ = BlockQuantizer(bits=4, block=256)   # gradients: int4 blocks (ZeRO++ qgZ)
 

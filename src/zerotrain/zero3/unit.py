@@ -44,9 +44,8 @@ from ..offload import Storage
 from ..precision import PrecisionPolicy
 from . import partition as P
 from .units import UnitSpec
-from .wire import UnitWire, gather_rows_into
+from .wire import NO_BUCKET_LIMIT, UnitWire, gather_rows_into
 
-NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one collective
 
 
 class UnitState(enum.Enum):

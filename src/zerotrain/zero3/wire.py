@@ -24,7 +24,7 @@ from ..comm import Communicator
 from ..flat import FlatLayout
 from ..hierarchy import PendingGather, QuantizedAllGather, plain_gather
 
-NO_BUCKET_LIMIT = 1 << 62
+NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one collective
 
 
 @dataclass(slots=True)

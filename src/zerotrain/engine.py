@@ -283,7 +283,9 @@ class ZeroEngine(nn.Module):
         """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with
         offload also host_optimizer_state or nvme_optimizer_state (file-backed),
         host_parameters (stage-3 shards kept on the host) and host_gradients (the gradient
-        shard in its wire dtype and the upload slots of the host step). Stage 3 adds two
+        shard in its wire dtype and the upload slots of the host step); with
+        ``zero_hpz_partition_size`` also hpz_parameters (hpZ's secondary copy, Ψ/H
+        parameter-dtype elements; docs/multinode.md). Stage 3 adds two
         figures that are not held now: gathered_after_forward, the bytes of gathered
         parameters kept from the end of the last forward to its backward (the prefetch
         window; what autograd saved of them holds no memory), and

@@ -21,10 +21,8 @@ from torch import nn
 
 from ..comm import Communicator, init_distributed
 from . import partition as P
+from .writes import PartitionedWrites, bound_initializers
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
-                   "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
-                   "kaiming_normal_", "orthogonal_", "sparse_")
 _state = threading.local()
 _MISSING = object()
 
@@ -73,23 +71,38 @@ class Init:
             if "__init__" in cls.__dict__:
                 patch(cls, "__init__", wrap(cls.__dict__["__init__"]))
         self._patch(nn.Module, "__init_subclass__", classmethod(init_subclass))
-        for name in _INIT_FUNCTIONS:
-            if hasattr(torch.nn.init, name):
-                self._patch(torch.nn.init, name, self._wrap_initializer(getattr(torch.nn.init, name)))
+        for owner, name, original in list(bound_initializers()):  # Note: every init path
+            self._patch(owner, name, self._wrap_initializer(original))
+        self._writes = PartitionedWrites(self._run_on_full)
+        self._writes.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        self._writes.__exit__(*exc)
         for owner, name, original in reversed(self._patched):
-            if original is _MISSING:
+            if isinstance(owner, dict):
+                owner[name] = original
+            elif original is _MISSING:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
         self._patched.clear()
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        if isinstance(owner, dict):   # transformers' table of init functions
+            self._patched.append((owner, name, owner[name]))
+            owner[name] = replacement
+            return
         self._patched.append((owner, name, owner.__dict__.get(name, _MISSING)
                               if isinstance(owner, type) else getattr(owner, name)))
         setattr(owner, name, replacement)
+
+    def _run_on_full(self, param: nn.Parameter, fn) -> None:
+        """Run ``fn`` on ``param``'s full value; every rank keeps rank 0's result."""
+        with GatheredParameters([param], modifier_rank=0):
+            fn(param.data)
 
     def _wrap_init(self, original):
         @functools.wraps(original)
@@ -113,6 +126,7 @@ class Init:
                 return original(tensor, *args, **kwargs)
             with GatheredParameters([tensor], modifier_rank=0):
                 original(tensor, *args, **kwargs)
+            self._writes.register(tensor)
             return tensor
         return initializer
 
@@ -131,6 +145,7 @@ class Init:
                 offset += p.numel()
         for p in fresh:
             P.partition(p, self.comm.rank, self.comm.world_size)
+            self._writes.register(p)
 
 
 def _global_rank(comm: Communicator, group_rank: int) -> int:

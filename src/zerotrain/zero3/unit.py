@@ -119,6 +119,12 @@ class Unit:
         for s in self.slices:
             for slot, i in zip(s.layout.slots, s.indices):
                 p = self.spec.params[i]
+                if P.is_partitioned(p) and p.numel() != 0:
+                    raise ValueError(
+                        f"parameter {self.spec.names[i]!r} was partitioned by zero.Init and then "
+                        "given a full .data outside zero.GatheredParameters; that value would "
+                        "be lost: write it inside zero.GatheredParameters(params, "
+                        "modifier_rank=0) or with an in-place operation")
                 chunk = p.ds_tensor if P.is_partitioned(p) else P.chunk_of(p.data, rank, world)
                 if chunk.numel() != slot.chunk:
                     raise StateError(

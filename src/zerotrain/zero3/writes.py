@@ -1,0 +1,94 @@
+"""Writes into partitioned parameters while ``zero.Init`` is active.
+
+Note: every init path
+    A model built under ``zero.Init`` often re-initialises its parameters after they are
+    partitioned (nanoGPT's ``self.apply(self._init_weights)``, transformers' ``post_init``).
+    Three paths reach a partitioned parameter, and each is made to write full values:
+
+    * ``torch.nn.init`` functions, also where they were bound by name before the context
+      (``from torch.nn.init import xavier_uniform_`` in torch's own modules, and
+      transformers' ``initialization.TORCH_INIT_FUNCTIONS``): replaced for the context by
+      a wrapper that gathers the parameter, runs the function on the full value with the
+      same random stream on every rank, and keeps rank 0's result (:func:`bound_initializers`);
+    * any other in-place operation on the parameter or on its ``.data`` (``p.normal_()``,
+      ``p.data.fill_(0)``): a ``TorchFunctionMode`` sees an in-place call whose target is a
+      registered placeholder and runs it the same way (:class:`PartitionedWrites`);
+    * assigning ``p.data`` a full tensor cannot be seen when it happens; the stage refuses
+      such a parameter by name when it is handed to ``initialize`` (``unit.py``).
+
+    So whatever path an init takes, the values equal those of plain construction with the
+    same seed; none of them trains from the untouched construction-time values silently.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                  "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                  "kaiming_normal_", "orthogonal_", "sparse_")
+# torch modules that import init functions by name (transformers patches the same list)
+_TORCH_MODULES = ("torch.nn.init", "torch.nn.modules.activation",
+                  "torch.nn.modules.transformer", "torch.nn.modules.linear",
+                  "torch.nn.modules.loss", "torch.nn.modules.batchnorm",
+                  "torch.nn.modules.conv", "torch.nn.modules.normalization",
+                  "torch.nn.modules.rnn", "torch.nn.modules.sparse")
+
+
+def bound_initializers() -> Iterator[tuple[Any, str, Callable]]:
+    """(owner, name, original) for every place an init function of torch is bound now:
+    module attributes, and transformers' table when transformers is imported."""
+    originals = {name: getattr(torch.nn.init, name) for name in INIT_FUNCTIONS
+                 if hasattr(torch.nn.init, name)}
+    for module_name in _TORCH_MODULES:
+        module = sys.modules.get(module_name)
+        for name, fn in originals.items():
+            if module is not None and getattr(module, name, None) is fn:
+                yield module, name, fn
+    hf = sys.modules.get("transformers.initialization")
+    table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
+    if isinstance(table, dict):
+        for name, fn in list(table.items()):
+            if originals.get(name) is fn:
+                yield table, name, fn
+
+
+class PartitionedWrites(TorchFunctionMode):
+    """Runs in-place operations on partitioned parameters (or their ``.data``) on the full
+    value (Note: every init path). ``run(param, fn)`` gathers ``param``, calls ``fn`` on
+    its full data and partitions it again."""
+
+    def __init__(self, run: Callable[[nn.Parameter, Callable], None]) -> None:
+        super().__init__()
+        self._run = run
+        self._owners: dict[int, nn.Parameter] = {}
+
+    def register(self, param: nn.Parameter) -> None:
+        """``param``'s current placeholder is its empty ``.data`` (call after each change)."""
+        self._owners[param.untyped_storage()._cdata] = param
+
+    def owner(self, tensor: torch.Tensor):
+        if tensor.numel() != 0:
+            return None
+        key = tensor.untyped_storage()._cdata
+        param = self._owners.get(key)
+        if param is None or param.untyped_storage()._cdata != key or param.numel() != 0:
+            return None
+        return param
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else None
+        if (name.endswith("_") and not name.endswith("__")
+                and isinstance(target, torch.Tensor)):
+            param = self.owner(target)
+            if param is not None:
+                self._run(param, lambda full: func(full, *args[1:], **kwargs))
+                self.register(param)
+                return target
+        return func(*args, **kwargs)

@@ -1,0 +1,103 @@
+"""Models built under ``zero.Init`` start from the values of plain construction with the
+same seed, whichever way their weights are initialised: transformers 5.x's own table of
+torch init functions (GPT-2, Llama, tied embeddings; the constructor, ``from_config`` and
+``from_pretrained``), in-place calls on a parameter or its ``.data``; a full value assigned
+to ``.data`` after partitioning is refused by name."""
+import pytest
+import torch
+from torch import nn
+
+
+def _configs():
+    import transformers
+    return {
+        "gpt2": transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                        n_head=2),
+        "llama": transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                          num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=1, max_position_embeddings=16,
+                                          tie_word_embeddings=True),
+    }
+
+
+def _loss(model, tokens):
+    model.eval()
+    with torch.no_grad():
+        return float(model(tokens, labels=tokens).loss)
+
+
+class Direct(nn.Module):
+    """Initialises through in-place calls on the parameter and on ``.data``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.a.weight.normal_(0.0, 0.5)
+        self.b.weight.data.uniform_(-0.3, 0.3)
+        self.b.bias.data.zero_()
+
+
+def _compare(rank, world, tmp):
+    import transformers
+    import zerotrain
+    from zerotrain.zero import GatheredParameters
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for kind, config in _configs().items():
+        cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[kind]
+        torch.manual_seed(0)
+        plain = cls(config)
+        plain.save_pretrained(f"{tmp}/{kind}")
+        want = {n: p.detach().clone() for n, p in plain.named_parameters()}
+        builds = {"constructor": lambda: cls(config),
+                  "from_config": lambda: transformers.AutoModelForCausalLM.from_config(config)}
+        for how, build in builds.items():
+            torch.manual_seed(0)
+            with zerotrain.zero.Init():
+                model = build()
+            partitioned = all(p.numel() == 0 for p in model.parameters())
+            with GatheredParameters(list(model.parameters())):
+                same = all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+                tied = (model.get_input_embeddings().weight
+                        is model.get_output_embeddings().weight)
+                loss = _loss(model, tokens)
+            out[(kind, how)] = {"same": same, "partitioned": partitioned, "tied": tied,
+                                "loss": loss, "want": _loss(plain, tokens)}
+        from zerotrain.integrations.transformers import from_pretrained
+        model = from_pretrained(cls, f"{tmp}/{kind}")
+        with GatheredParameters(list(model.parameters())):
+            out[(kind, "from_pretrained")] = {
+                "same": all(torch.equal(p, want[n]) for n, p in model.named_parameters()),
+                "partitioned": True, "tied": True, "loss": _loss(model, tokens),
+                "want": _loss(plain, tokens)}
+    torch.manual_seed(0)
+    want = {n: p.detach().clone() for n, p in Direct().named_parameters()}
+    torch.manual_seed(0)
+    with zerotrain.zero.Init():
+        direct = Direct()
+    with GatheredParameters(list(direct.parameters())):
+        out["direct"] = all(torch.equal(p, want[n]) for n, p in direct.named_parameters())
+    with zerotrain.zero.Init():
+        bad = Direct()
+    bad.a.weight.data = torch.zeros(8, 8)
+    try:
+        zerotrain.initialize(model=bad, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        out["refused"] = ""
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_models_built_under_zero_init_start_from_plain_construction(worlds, tmp_path):
+    pytest.importorskip("transformers")
+    for res in worlds.run(2, _compare, str(tmp_path)):
+        for key, r in res.items():
+            if isinstance(key, tuple):
+                assert r["same"] and r["partitioned"] and r["tied"], (key, r)
+                assert r["loss"] == pytest.approx(r["want"], abs=1e-5), (key, r)
+        assert res["direct"]
+        assert "'a.weight'" in res["refused"], res["refused"]

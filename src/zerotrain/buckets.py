@@ -375,7 +375,10 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         return self._shard[g]
 
     def clear(self) -> None:
+        """After the step the shard sum is consumed: free it (the next backward allocates
+        it again), so between steps a rank holds no gradient at all."""
         self._fresh = True
+        self._shard = [None] * len(self.layouts)
         self._reductions = 0
 
     def tensors(self) -> list[torch.Tensor]:

@@ -79,6 +79,10 @@ def _compare(rank, world, tmp):
         direct = Direct()
     with GatheredParameters(list(direct.parameters())):
         out["direct"] = all(torch.equal(p, want[n]) for n, p in direct.named_parameters())
+    with zerotrain.zero.Init(remote_device="cpu", dtype=torch.bfloat16):
+        small = nn.Linear(4, 4)
+    out["remote_dtype"] = {(p.ds_tensor.device.type, p.ds_tensor.dtype, p.dtype)
+                           for p in small.parameters()}
     with zerotrain.zero.Init():
         bad = Direct()
     bad.a.weight.data = torch.zeros(8, 8)
@@ -100,4 +104,5 @@ def test_models_built_under_zero_init_start_from_plain_construction(worlds, tmp_
                 assert r["same"] and r["partitioned"] and r["tied"], (key, r)
                 assert r["loss"] == pytest.approx(r["want"], abs=1e-5), (key, r)
         assert res["direct"]
+        assert res["remote_dtype"] == {("cpu", torch.bfloat16, torch.bfloat16)}
         assert "'a.weight'" in res["refused"], res["refused"]

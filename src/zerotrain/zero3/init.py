@@ -47,8 +47,23 @@ class Init:
                  pin_memory: bool = False, config_dict_or_path: Any = None,
                  config: Any = None, enabled: bool = True, dtype: Optional[torch.dtype] = None,
                  mpu: Any = None, **_: Any) -> None:
+        if remote_device not in (None, "cpu"):
+            raise ValueError(
+                f"zero.Init(remote_device={remote_device!r}): only None (partitions stay on "
+                "the device the module is built on) and 'cpu' are supported; to keep "
+                "parameter shards in files during training use zero_optimization."
+                "offload_param {device: nvme}")
+        if pin_memory and remote_device != "cpu":
+            raise ValueError("zero.Init(pin_memory=True) pins partitions kept on the host: "
+                             "it needs remote_device='cpu'")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("zero.Init(pin_memory=True) needs CUDA: pinned host memory "
+                             "serves copies to a GPU, and none is available")
         self.enabled = enabled
         self.group = data_parallel_group
+        self.remote_device = remote_device
+        self.pin_memory = pin_memory
+        self.dtype = dtype
         self._patched: list[tuple[Any, str, Any]] = []
         self.comm: Optional[Communicator] = None
         if module is not None and enabled:  # DeepSpeed's form: partition an existing model
@@ -135,16 +150,24 @@ class Init:
         fresh = [p for p in module.parameters() if not P.is_partitioned(p)]
         if not fresh:
             return
-        if self.comm.world_size > 1:
-            flat = torch.cat([p.detach().reshape(-1) for p in fresh]) if len(fresh) > 1 \
-                else fresh[0].detach().reshape(-1).clone()
-            self.comm.broadcast(flat, src=_global_rank(self.comm, 0))
+        if self.dtype is not None:
+            for p in fresh:
+                if p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+        rank, world = self.comm.rank, self.comm.world_size
+        if world > 1:   # on the communicator's device: NCCL takes only CUDA tensors
+            flat = torch.cat([p.detach().reshape(-1).to(self.comm.device) for p in fresh])
+            self.comm.broadcast(flat, src=_global_rank(self.comm, 0), label="zero.Init")
             offset = 0
             for p in fresh:
                 p.data.copy_(flat[offset: offset + p.numel()].view_as(p))
                 offset += p.numel()
+            del flat
         for p in fresh:
-            P.partition(p, self.comm.rank, self.comm.world_size)
+            chunk = P.chunk_of(p.data, rank, world)
+            if self.remote_device == "cpu":
+                chunk = chunk.pin_memory() if self.pin_memory else chunk.cpu()
+            P.partition(p, rank, world, chunk=chunk)
             self._writes.register(p)
 
 

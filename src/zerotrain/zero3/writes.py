@@ -57,6 +57,12 @@ def bound_initializers() -> Iterator[tuple[Any, str, Callable]]:
                 yield table, name, fn
 
 
+# in-place methods that change a tensor's metadata or autograd flags, not its values
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "resize_", "resize_as_", "set_",
+                         "as_strided_", "detach_", "rename_", "refine_names_", "squeeze_",
+                         "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_"})
+
+
 class PartitionedWrites(TorchFunctionMode):
     """Runs in-place operations on partitioned parameters (or their ``.data``) on the full
     value (Note: every init path). ``run(param, fn)`` gathers ``param``, calls ``fn`` on
@@ -84,7 +90,7 @@ class PartitionedWrites(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         target = args[0] if args else None
-        if (name.endswith("_") and not name.endswith("__")
+        if (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
                 and isinstance(target, torch.Tensor)):
             param = self.owner(target)
             if param is not None:

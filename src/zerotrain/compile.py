@@ -9,11 +9,11 @@ Note: what is compiled
     swaps) break it or force a recompilation every step. So stage 3 compiles per unit:
     each unit module that contains no other unit module (a transformer block, with the
     default ``stage3_prefetch_bucket_size``) gets a compiled forward, and the hooks that
-    gather and release it run around it, eagerly. The modules inside a block have hooks
-    too, but there the unit is already held and they only count the nesting depth
-    (``zero3/hooks.py``, Note: entry points): dynamo traces that as plain Python, with no
-    graph break. A module inside a block that uses another unit's parameter (a tied or
-    external one) would gather that unit inside the graph and break it there. A unit whose
+    gather and release it run around it, eagerly; the hooks of the modules inside, which
+    only count nesting there, are set aside during the call (``zero3/stage.py``, Note:
+    compiled units). A module inside a block that uses another unit's parameter (a tied or
+    external one) keeps its hooks, which then gather that unit inside the graph and break
+    it there. A unit whose
     module contains another unit (a block split into several units because it is larger
     than ``stage3_prefetch_bucket_size``) runs eagerly, as does code outside every unit
     (the root's own forward: embeddings, head, loss). The stage names its targets
@@ -35,6 +35,7 @@ Note: failures
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 from .errors import CompileError, ConfigError
+from .stages.base import CompileTarget
 
 logger = logging.getLogger(__name__)
 
@@ -79,19 +81,21 @@ class _CompiledForward:
     """Installed as a target's ``forward``: the compiled body, or the eager one after a
     failure with ``fallback="eager"`` (Note "failures")."""
 
-    def __init__(self, name: str, original: Callable[..., Any], compiled: Callable[..., Any],
+    def __init__(self, target: CompileTarget, compiled: Callable[..., Any],
                  compilation: "Compilation") -> None:
-        self.name = name
-        self.original = original
+        self.name = target.name or "<root>"
+        self.original = target.module.forward
         self.compiled = compiled
+        self.around = target.around or contextlib.nullcontext
         self.compilation = compilation
-        self.code = getattr(original, "__code__", None)
+        self.code = getattr(self.original, "__code__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.code is not None and self.code in self.compilation.failed_code:
             return self.original(*args, **kwargs)
         try:
-            return self.compiled(*args, **kwargs)
+            with self.around():
+                return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as exc:
             return self.compilation.failed(self, exc, args, kwargs)
 
@@ -100,7 +104,7 @@ class Compilation:
     """The compiled forwards of one engine: ``install`` them, ``undo`` to restore the
     eager ones."""
 
-    def __init__(self, targets: list[tuple[str, nn.Module]], settings: CompileSettings) -> None:
+    def __init__(self, targets: list[CompileTarget], settings: CompileSettings) -> None:
         """Compile every target's current forward (lazily: tracing happens at its first
         call); ``install`` puts them in place.
 
@@ -112,10 +116,10 @@ class Compilation:
         self.settings = settings
         self.failed_code: set[Any] = set()
         self.fallen_back: list[str] = []
-        self.names = [name or "<root>" for name, _ in targets]
-        self._forwards = [(module, _CompiledForward(label, module.forward,
-                                                    self._compile(label, module.forward), self))
-                          for label, (_, module) in zip(self.names, targets)]
+        self.names = [t.name or "<root>" for t in targets]
+        self._forwards = [(t.module, _CompiledForward(
+            t, self._compile(label, t.module.forward), self))
+            for label, t in zip(self.names, targets)]
         self._installed: list[tuple[nn.Module, Optional[Callable[..., Any]]]] = []
 
     def install(self) -> None:

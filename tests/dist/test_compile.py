@@ -98,6 +98,7 @@ def _train(rank, case, backend):
         engine.compile(backend=backend)
     probe = _HeldAfterForward(model) if stage == 3 else None
     breaks = sum(counters["graph_break"].values())
+    graphs = counters["stats"]["unique_graphs"]
     held, graphs_after_two = [], None
     for step in range(STEPS):
         for micro in range(ga):
@@ -113,6 +114,7 @@ def _train(rank, case, backend):
     return {"params": params, "compiled": engine.compiled_modules,
             "is_compiled": engine.is_compiled,
             "new_graphs": counters["stats"]["unique_graphs"] - graphs_after_two,
+            "graphs": counters["stats"]["unique_graphs"] - graphs,
             "graph_breaks": sum(counters["graph_break"].values()) - breaks,
             "held_after_forward": max(held) if held else 0,
             "peak_live": engine.stage.scheduler.peak_live_numel if stage == 3 else 0}
@@ -146,6 +148,8 @@ def _check(per_rank, tolerance):
             assert compiled["compiled"] == (["blocks.0", "blocks.1"] if stage == 3
                                             else ["<root>"]), where
             assert compiled["new_graphs"] == 0, where      # nothing compiled after step 2
+            if stage == 3:   # one graph serves both blocks (a new one per dtype only)
+                assert compiled["graphs"] == 1, where
             assert compiled["graph_breaks"] == 0, where
             # stage 3: the same units gathered at once, and no gathered storage kept
             # alive by a compiled graph that eager would have freed

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +25,20 @@ class StepOutcome:
     applied: bool
     grad_norm: float
     nonfinite_params: tuple[str, ...] = ()   # parameters with an inf/nan gradient (some)
+
+
+@dataclass(frozen=True)
+class CompileTarget:
+    """A module whose forward ``torch.compile`` traces whole (``compile.py``).
+
+    ``name``: its path ('' for the model); ``around``: None, or a context manager factory
+    entered around each compiled call (stage 3: sets aside the hooks of the modules inside,
+    Note "compiled units" in ``zero3/stage.py``).
+    """
+
+    name: str
+    module: nn.Module
+    around: Optional[Callable[[], ContextManager[None]]] = None
 
 
 FROZEN = -1   # ShardRecord.group_index of a frozen parameter's shard (no optimizer group)
@@ -99,9 +113,9 @@ class Stage(Protocol):
     def memory_peaks(self) -> dict[str, int]:
         """Figures for ``memory_breakdown`` that are not tensors held now (bytes)."""
 
-    def compile_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The submodules of ``module`` (by path) whose forwards ``torch.compile`` may
-        trace whole: none of the stage's hooks runs inside them (``compile.py``)."""
+    def compile_targets(self, module: nn.Module) -> list[CompileTarget]:
+        """The submodules of ``module`` whose forwards ``torch.compile`` may trace whole:
+        no hook of the stage that gathers or releases runs inside them (``compile.py``)."""
 
 
 class BucketedStage:
@@ -215,9 +229,9 @@ class BucketedStage:
     def copy_ledger(self) -> CopyLedger:
         return self.storage.transfers.ledger
 
-    def compile_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    def compile_targets(self, module: nn.Module) -> list[CompileTarget]:
         """The whole module: these stages hook only parameters, never module calls."""
-        return [("", module)]
+        return [CompileTarget("", module)]
 
 
 _CATEGORY = {"device": "", "host": "host_", "nvme": "nvme_"}  # memory_breakdown prefixes

@@ -44,6 +44,7 @@ Note: trace and prefetch
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -274,7 +275,7 @@ def install_module_hooks(root: nn.Module, units: list[Unit],
     """Forward hooks on every module that roots or uses a unit (Note: entry points); the
     root's pre-hook also starts a pass."""
     handles = [root.register_forward_pre_hook(lambda m, a: scheduler.begin_pass())]
-    for module, indices in _unit_users(root, units).items():
+    for module, indices in unit_users(root, units).items():
         for index in indices:
             handles.append(module.register_forward_pre_hook(
                 functools.partial(_before_forward, scheduler, index), with_kwargs=True))
@@ -286,7 +287,7 @@ def install_module_hooks(root: nn.Module, units: list[Unit],
     return handles
 
 
-def _unit_users(root: nn.Module, units: list[Unit]) -> dict[nn.Module, list[int]]:
+def unit_users(root: nn.Module, units: list[Unit]) -> dict[nn.Module, list[int]]:
     """Module -> the non-persistent units it needs gathered when called on its own."""
     owner = {id(p): u.spec.index for u in units if not u.spec.persistent
              for p in u.spec.params}
@@ -305,6 +306,25 @@ def _unit_users(root: nn.Module, units: list[Unit]) -> dict[nn.Module, list[int]
         if own:
             users[module] = own
     return users
+
+
+@contextlib.contextmanager
+def hooks_set_aside(handles: list[Any]) -> Iterator[None]:
+    """Take the hooks of ``handles`` out of their modules for the duration; put every dict
+    back as it was, in its order (``zero3/stage.py``, Note: compiled units)."""
+    saved = []
+    for handle in handles:
+        for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
+            hooks = ref()
+            if hooks is not None and handle.id in hooks:
+                saved.append((hooks, list(hooks.items())))
+                del hooks[handle.id]
+    try:
+        yield
+    finally:
+        for hooks, items in reversed(saved):
+            hooks.clear()
+            hooks.update(items)
 
 
 class _InputsBackward(torch.autograd.Function):

@@ -1,5 +1,14 @@
 """ZeRO stage 3: parameters, gradients and optimizer state all partitioned.
 
+Note: compiled units
+    The engine compiles stage 3 per unit (``compile.py``): each unit module with no other
+    unit inside gets a compiled forward, and its own hooks, which gather and release the
+    unit, run eagerly around it. The modules inside have hooks too (Note: entry points in
+    ``hooks.py``), which only count the nesting depth while the unit is held; traced, they
+    would make dynamo specialise each block's graph on its hooks' ids (one graph per
+    block). So around each compiled call those hooks are set aside, when every unit they
+    serve is one the compiled module holds itself.
+
 Note: one stage-3 step
     Forward and backward gather each unit just before use and release it after
     (``hooks.py``). Each parameter's gradient goes, from its post-accumulate hook, into its
@@ -22,9 +31,10 @@ from ..buckets import ReduceScatterEveryMicroStep
 from ..comm import Communicator
 from ..offload import Storage
 from ..precision import PrecisionPolicy
-from ..stages.base import FROZEN, BucketedStage, ShardRecord
+from ..stages.base import FROZEN, BucketedStage, CompileTarget, ShardRecord
 from .hierarchical import build_groups
-from .hooks import GatherPolicy, UnitScheduler, install_module_hooks
+from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
+                    unit_users)
 from .unit import GroupSlice, Unit
 from .units import build_units
 
@@ -129,15 +139,26 @@ class PartitionedDataParallel(BucketedStage):
         for unit in self.units:
             unit.regather()
 
-    def compile_targets(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    def compile_targets(self, module: nn.Module) -> list[CompileTarget]:
         """Unit modules that contain no other unit module (the blocks): their forwards
-        compile whole while the hooks that gather them stay outside (``compile.py``)."""
-        hooked = {id(module)} | {id(u.spec.module) for u in self.units if not u.spec.persistent}
+        compile whole while the hooks that gather them stay outside (Note "compiled
+        units")."""
+        own: dict[int, set[int]] = {}
+        for u in self.units:
+            if not u.spec.persistent:
+                own.setdefault(id(u.spec.module), set()).add(u.spec.index)
+        hooked = {id(module)} | set(own)
+        users = unit_users(self.module, self.units)
         targets = []
         for name, sub in module.named_modules():
-            if id(sub) in hooked and not any(
-                    id(inner) in hooked for inner in list(sub.modules())[1:]):
-                targets.append((name, sub))
+            inner = list(sub.modules())[1:]
+            if id(sub) not in hooked or any(id(m) in hooked for m in inner):
+                continue
+            quiet = {id(d) for m in inner if set(users.get(m, ())) <= own.get(id(sub), set())
+                     for d in (m._forward_pre_hooks, m._forward_hooks)}
+            handles = [h for h in self._handles if id(h.hooks_dict_ref()) in quiet]
+            targets.append(CompileTarget(name, sub, functools.partial(hooks_set_aside,
+                                                                      handles)))
         return targets
 
     # ------------------------------------------------------------------ state

@@ -4,12 +4,12 @@ The fixtures under tests/fixtures/deepspeed_ckpts/ were written by the real Deep
 (tests/fixtures/make_deepspeed_ckpts.py): ``BEFORE`` steps, a checkpoint, then ``AFTER``
 more steps whose fp32 masters are ``expected.safetensors``. Here zerotrain loads the
 checkpoint at another world size and stage, trains the same ``AFTER`` steps on the same
-samples and must reach DeepSpeed's masters: within 1e-6 in fp32. In bf16 the forward and
-backward run on bf16 weights, so a last-bit difference in an fp32 master (summation order
-of the gradients, the clipping norm) can round a weight to the neighbouring bf16 value;
-three correct implementations of these steps (DeepSpeed, zerotrain, and a plain-torch loop)
-end 2e-5 to 5e-5 apart, while dropping the Adam moments moves the result by ~2e-3. bf16
-is therefore held to 1e-4.
+samples and must reach DeepSpeed's masters: within 1e-6 in fp32 (measured 7e-9 to 1.5e-8).
+In bf16 the forward and backward run on bf16 weights, so a last-bit difference in an fp32
+master (summation order of the gradients, the clipping norm) can round a weight to the
+neighbouring bf16 value; three correct implementations of these steps (DeepSpeed, zerotrain
+and a plain-torch loop) end 2e-5 to 5e-5 apart, while dropping the Adam moments moves the
+result by ~2e-3. bf16 is therefore held to 2e-4 (measured 4.6e-5 to 7.8e-5).
 """
 import json
 import os
@@ -69,6 +69,8 @@ def _max_diff(ours: dict, expected: dict) -> float:
     ("z1_bf16_w2", 4, 3, 1, 1),      # bf16 (bf16_zero_pp_rank files) on 2 -> ZeRO-3 on 4
     ("z3_bf16_w2", 1, 2, 4, 1),      # bf16 ZeRO-3 on 2 -> ZeRO-2 on 1
     ("z3_frozen_fp32_w2", 4, 2, 1, 1),   # frozen norm, ZeRO-3 on 2 -> ZeRO-2 on 4
+    ("z1_fp32_w2", 3, 2, 1, 2),      # ZeRO-1 on 2 -> ZeRO-2 on 3
+    ("z2_bf16_w2", 2, 3, 2, 1),      # bf16 ZeRO-2 on 2 -> ZeRO-3 on 2
 ])
 def test_deepspeed_run_continues_in_zerotrain(worlds, tmp_path, case_name, world, stage, gas,
                                               micro):
@@ -79,8 +81,10 @@ def test_deepspeed_run_continues_in_zerotrain(worlds, tmp_path, case_name, world
     assert client["epoch"] == 2 and client["note"] == "saved by the fixture"
     assert client["best"] == [0.5, 0.25] and torch.equal(client["counts"], torch.tensor([1, 2, 3]))
     assert lr == pytest.approx(M.LR)            # WarmupLR continued past its 4 warm-up steps
-    tolerance = 1e-4 if case_name.endswith(("bf16_w2",)) else 1e-6
-    assert _max_diff(masters, expected) <= tolerance
+    tolerance = 2e-4 if "bf16" in case_name else 1e-6
+    difference = _max_diff(masters, expected)
+    print(f"{case_name} -> {world} ranks, stage {stage}: {difference:.2e} from DeepSpeed")
+    assert difference <= tolerance
 
 
 def test_without_optimizer_state_the_run_does_not_continue_the_same(worlds, tmp_path):

@@ -95,6 +95,7 @@ def test_small_state_is_read(case):
         k: v for k, v in M.CLIENT_STATE.items() if k != "counts"}
     assert torch.equal(client["counts"], M.CLIENT_STATE["counts"])
     assert [g["weight_decay"] for g in ckpt.hyperparameters()] == [0.1, 0.0]
+    assert ckpt.loss_scaler_state() is None            # fp32/bf16: nothing for an fp16 scaler
     assert ckpt.buffer_names() == ["scale"]
     assert ckpt.frozen_names() == (["norm.weight", "norm.bias"] if FROZEN[case] else [])
     for name in ckpt.trainable_names():

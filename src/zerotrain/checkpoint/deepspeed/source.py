@@ -225,12 +225,19 @@ class DeepSpeedCheckpoint:
         return [{k: g[k] for k in _HYPERPARAMETERS if k in g} for g in self.param_groups()]
 
     def loss_scaler_state(self) -> Optional[dict]:
-        """DeepSpeed's loss scaler as zerotrain's ``LossScaler.state_dict()`` fields."""
+        """DeepSpeed's fp16 loss scaler as zerotrain's ``LossScaler.state_dict()`` fields;
+        None for fp32 and bf16 runs, whose static scale of 1 must not replace an fp16
+        scaler configured here."""
         record = self.optim[0].get("loss_scaler") if self.optim else None
         if not isinstance(record, DeepSpeedRecord):
             return None
         a = record.attributes()
         dynamic = bool(a.get("dynamic", record.qualname.endswith("DynamicLossScaler")))
+        config = self.model.get("ds_config")
+        fp16 = isinstance(config, dict) and isinstance(config.get("fp16"), dict) \
+            and bool(config["fp16"].get("enabled"))
+        if not (fp16 or dynamic):     # fp32/bf16 runs keep a static scale of 1: not fp16 state
+            return None
         out = {"loss_scale": float(a.get("cur_scale", 1.0)), "dynamic": dynamic}
         for ours, theirs in (("scale_window", "scale_window"), ("hysteresis", "delayed_shift"),
                              ("cur_hysteresis", "cur_hysteresis"),

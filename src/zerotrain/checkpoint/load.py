@@ -1,23 +1,29 @@
 """``load_checkpoint``: read exactly this rank's element ranges, then publish.
 
-Order (all ranks call it):
-1. resolve the tag (``latest`` by default) and validate the manifest, the files' sizes and
-   the model's names and shapes: local work, the same on every rank, so a bad checkpoint
-   raises everywhere before any collective;
-2. for every record of this rank's stage, fill the master shard (and fresh optimizer-state
-   tensors) from the source ranges (``reshard.py``, Note: element ranges); load frozen
-   parameters and buffers;
-3. one scalar all-reduce: if any rank failed to read, every rank raises;
-4. ``stage.publish_parameters()`` (collective) writes the masters into the module;
-5. hyperparameters, scheduler, loss scaler, data position and RNG (same world size only).
+Note: stage, agree, commit
+    A load changes nothing until every rank has read and checked everything:
+    1. stage (local, changes nothing): resolve the tag (``latest`` by default); validate the
+       manifest, the files' sizes, the model's names and shapes and the optimizer's groups;
+       read this rank's master shards and optimizer state (``reshard.py``, Note: element
+       ranges), frozen parameters and buffers into new tensors; check the random-generator
+       state on scratch generators and the hyperparameters, scheduler, loss-scaler and
+       data-loader state against what will receive them;
+    2. agree: one small all-reduce; if any rank failed, every rank raises (and all agree on
+       whether there was a checkpoint at all);
+    3. commit: copy the new values into the live tensors, install the optimizer state,
+       ``stage.publish_parameters()`` (collective), then the JSON state and the generators.
+    So a load that raises leaves every tensor, hyperparameter and generator as it was.
+    Staging holds a host copy of this rank's master shard and optimizer state until commit.
 
 Nothing is unpickled: tensors come from ``safetensors.safe_open``, the rest from JSON.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -25,7 +31,7 @@ import torch
 from ..stages.base import FROZEN
 from . import client_state, deepspeed, fs, rng
 from .manifest import CheckpointError, read_manifest
-from .match import check_groups, check_model
+from .match import check_group_values, check_groups, check_model
 from .reshard import SourceIndex, target_range
 from .state import COUNTERS, CheckpointReport, LoadResult, TrainingState, shard_rank
 from .stfile import DTYPES_BY_NAME, Reader
@@ -39,7 +45,9 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     """Load checkpoint ``tag`` (default: the one ``latest`` names) from ``load_dir``.
 
     Collective. A missing directory or ``latest`` returns ``LoadResult(None, None)`` with a
-    warning (as DeepSpeed does); a missing explicit tag raises CheckpointError.
+    warning (as DeepSpeed does); a missing explicit tag raises CheckpointError. Nothing of
+    the training state changes until every rank has read and checked everything (Note:
+    stage, agree, commit); a load that raises leaves every tensor as it was.
     """
     deepspeed_path = deepspeed.find_tag_dir(load_dir, tag)
     if deepspeed_path is not None:   # a DeepSpeed ZeRO checkpoint (docs/from-deepspeed.md)
@@ -47,47 +55,93 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
             state, deepspeed_path, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     start = time.perf_counter()
-    path = _resolve(load_dir, tag)
-    if path is None:
+    with_optimizer = load_optimizer_states and not load_module_only
+    path: Optional[str] = None
+    staged: Optional[_Staged] = None
+    failure: Optional[BaseException] = None
+    try:
+        path = _resolve(load_dir, tag)
+        if path is not None:
+            staged = _stage(state, path, with_optimizer=with_optimizer,
+                            with_small=not load_module_only,
+                            with_scheduler=load_lr_scheduler_states)
+    except Exception as exc:  # noqa: BLE001 - re-raised after every rank agrees
+        failure = exc
+    _agree(state.comm, failure, found=path is not None, where=path or load_dir)
+    if staged is None:
         return LoadResult(None, None)
+    _commit(state, staged)
+    state.stage.publish_parameters()
+    staged.report.seconds = time.perf_counter() - start
+    logger.info("loaded checkpoint %s in %.3f s (%d bytes of shards read on rank 0)", path,
+                staged.report.seconds, staged.report.bytes_read)
+    counters = (None if load_module_only
+                else {k: int(staged.manifest["counters"][k]) for k in COUNTERS})
+    return LoadResult(path, staged.client_state, counters, staged.report)
+
+
+@dataclass(slots=True)
+class _Staged:
+    """Everything a load will write, read and checked but not yet applied.
+
+    ``tensors`` pairs each live tensor (a master shard, a frozen parameter, a buffer) with
+    its new value; ``states`` gives each record's new optimizer-state dict, whose tensors
+    are not yet visible to the optimizer; ``rng`` is this rank's generator state or None.
+    """
+
+    manifest: dict
+    report: CheckpointReport
+    tensors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    states: list[tuple[Any, dict, list]] = field(default_factory=list)
+    small: Optional[dict] = None
+    rng: Optional[tuple] = None
+    client_state: dict = field(default_factory=dict)
+
+
+def _stage(state: TrainingState, path: str, *, with_optimizer: bool, with_small: bool,
+           with_scheduler: bool) -> _Staged:
+    """Read and check everything this rank will load, changing nothing (Note: stage, agree,
+    commit)."""
     manifest = read_manifest(path)
     records = state.stage.shard_records() + state.stage.frozen_records()
     index = SourceIndex(manifest)
     check_model(manifest, state.module, records, path)
-    with_optimizer = load_optimizer_states and not load_module_only
     if with_optimizer:
         check_groups(manifest, state.optimizer.param_groups, path)
-    failure: Optional[BaseException] = None
-    rng_state = None
-    saved_client: dict = {}
-    report = CheckpointReport(path=path)
+    staged = _Staged(manifest=manifest, report=CheckpointReport(path=path))
     with Reader(path) as reader:
-        try:
-            for record in records:
-                _load_record(state, index, reader, record, with_optimizer=(
-                    with_optimizer and record.group_index != FROZEN))
-            _load_module_tensors(state.module, index, reader, records)
-            report = CheckpointReport(path=path, elements_read=reader.elements_read,
-                                      bytes_read=reader.bytes_read)
-            if not load_module_only:
-                rng_state = _read_rng(manifest, reader, state.comm)
-            saved_client = client_state.load(manifest, path)
-        except Exception as exc:  # noqa: BLE001 - re-raised after every rank agrees
-            failure = exc
-        report.files_opened = reader.files_opened
-    _agree(state, records, failure, path)
-    state.stage.publish_parameters()
-    counters = None
-    if not load_module_only:
-        _restore_small(state, manifest, with_optimizer=with_optimizer,
-                       with_scheduler=load_lr_scheduler_states)
-        if rng_state is not None:
-            rng.restore(*rng_state)
-        counters = {k: int(manifest["counters"][k]) for k in COUNTERS}
-    report.seconds = time.perf_counter() - start
-    logger.info("loaded checkpoint %s in %.3f s (%d bytes of shards read on rank 0)", path,
-                report.seconds, report.bytes_read)
-    return LoadResult(path, saved_client, counters, report)
+        for record in records:
+            _stage_record(state, index, reader, record, staged, with_optimizer=(
+                with_optimizer and record.group_index != FROZEN))
+        staged.tensors += _stage_module_tensors(state.module, index, reader, records)
+        staged.report = CheckpointReport(path=path, elements_read=reader.elements_read,
+                                         bytes_read=reader.bytes_read)
+        if with_small:
+            staged.rng = _read_rng(manifest, reader, state.comm)
+        staged.report.files_opened = reader.files_opened
+    staged.client_state = client_state.load(manifest, path)
+    if with_small:
+        staged.small = _check_small(state, manifest, with_optimizer=with_optimizer,
+                                    with_scheduler=with_scheduler, path=path)
+    return staged
+
+
+def _commit(state: TrainingState, staged: _Staged) -> None:
+    """Apply what :func:`_stage` read: copies and assignments that cannot fail."""
+    with torch.no_grad():
+        for target, value in staged.tensors:
+            target.copy_(value)
+    for record, fresh, copies in staged.states:
+        for target, value in copies:
+            target.copy_(value)
+        live = record.optimizer_state
+        live.clear()
+        live.update(fresh)
+        state.optimizer.state[record.master] = live
+    if staged.small is not None:
+        _restore_small(state, staged.small)
+    if staged.rng is not None:
+        rng.restore(*staged.rng)
 
 
 def _resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
@@ -113,14 +167,15 @@ def _resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- tensors
-def _load_record(state: TrainingState, index: SourceIndex, reader: Reader, record, *,
-                 with_optimizer: bool) -> None:
-    """Fill this rank's master shard and, with the optimizer, fresh state tensors."""
+def _stage_record(state: TrainingState, index: SourceIndex, reader: Reader, record,
+                  staged: _Staged, *, with_optimizer: bool) -> None:
+    """Read this rank's master shard and, with the optimizer, its state into new tensors."""
     rank = shard_rank(record.layout, state.comm)
     same = index.same_record(list(record.names), record.layout)
     keys, scalars, nones = _state_spec(index, record.names) if with_optimizer else ([], {}, [])
-    fresh = {key: _target(record.optimizer_state.get(key), record.master) for key in keys}
-    for key, out in [("master", record.master), *fresh.items()]:
+    master = record.master.detach().to("cpu", copy=True)   # keeps the padding as it is
+    values = {key: torch.zeros(record.master.shape, dtype=torch.float32) for key in keys}
+    for key, out in [("master", master), *values.items()]:
         if same is not None:
             index.read_record_shard(reader, same, key, rank, out)
             continue
@@ -128,23 +183,26 @@ def _load_record(state: TrainingState, index: SourceIndex, reader: Reader, recor
             begin, end = target_range(record.layout, slot, rank)
             at = record.layout.shard_slice(slot).start
             index.read_into(reader, name, key, begin, end, out[at: at + end - begin])
+    staged.tensors.append((record.master, master))
     if not with_optimizer:
         return
     group = state.optimizer.param_groups[record.group_index]
-    live = record.optimizer_state
-    live.clear()
-    live.update(fresh)
-    live.update({key: _scalar(spec, group, record.master) for key, spec in scalars.items()})
-    live.update({key: None for key in nones})
-    state.optimizer.state[record.master] = live
+    fresh: dict[str, Any] = {}
+    copies = []
+    for key, value in values.items():
+        fresh[key] = _target(record.optimizer_state.get(key), record.master)
+        copies.append((fresh[key], value))
+    fresh.update({key: _scalar(spec, group, record.master) for key, spec in scalars.items()})
+    fresh.update({key: None for key in nones})
+    staged.states.append((record, fresh, copies))
 
 
 def _target(live: Any, master: torch.Tensor) -> torch.Tensor:
-    """Where to read a state tensor: the live one when it fits (offloaded state stays in its
-    host or NVMe storage), else a new one like the master."""
+    """Where a state tensor will live: the live one when it fits (offloaded state stays in
+    its host or NVMe storage), else a new one like the master (not yet in use)."""
     if (isinstance(live, torch.Tensor) and live.shape == master.shape
             and live.dtype == master.dtype and live.device == master.device):
-        return live.zero_()
+        return live
     return torch.zeros_like(master)
 
 
@@ -171,17 +229,22 @@ def _scalar(spec: dict, group: dict, master: torch.Tensor) -> Any:
     if dtype is None:
         raise CheckpointError(f"optimizer scalar has unsupported dtype {spec['dtype']!r}")
     on_device = bool(group.get("fused")) or bool(group.get("capturable"))
-    return torch.tensor(spec["value"], dtype=dtype,
-                        device=master.device if on_device else torch.device("cpu"))
+    try:
+        return torch.tensor(spec["value"], dtype=dtype,
+                            device=master.device if on_device else torch.device("cpu"))
+    except (RuntimeError, TypeError, OverflowError) as exc:
+        raise CheckpointError(f"optimizer scalar {spec['value']!r} does not fit "
+                              f"{spec['dtype']}: {exc}") from None
 
 
-def _load_module_tensors(module: torch.nn.Module, index: SourceIndex, reader: Reader,
-                         records) -> None:
-    """Frozen parameters and persistent buffers, cast to the module's dtypes."""
+def _stage_module_tensors(module: torch.nn.Module, index: SourceIndex, reader: Reader,
+                          records) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(target, new value) for frozen parameters and persistent buffers, cast on commit."""
     in_records = {name for record in records for name in record.names}
     persistent = set(module.state_dict().keys())
     targets = [(n, p) for n, p in module.named_parameters() if n not in in_records]
     targets += [(n, b) for n, b in module.named_buffers() if n in persistent]
+    out = []
     for name, target in targets:
         if name in index.module_entries:
             value = index.read_module(reader, name)
@@ -191,8 +254,11 @@ def _load_module_tensors(module: torch.nn.Module, index: SourceIndex, reader: Re
         if value.is_floating_point() != target.is_floating_point():
             raise CheckpointError(f"{name!r} is {value.dtype} in the checkpoint but "
                                   f"{target.dtype} in the model")
-        with torch.no_grad():
-            target.copy_(value.view(target.shape))
+        if value.numel() != target.numel():
+            raise CheckpointError(f"{name!r} has {value.numel()} elements in the checkpoint "
+                                  f"but {target.numel()} in the model")
+        out.append((target, value.view(target.shape)))
+    return out
 
 
 def _read_rng(manifest: dict, reader: Reader, comm) -> Optional[tuple]:
@@ -204,44 +270,93 @@ def _read_rng(manifest: dict, reader: Reader, comm) -> Optional[tuple]:
     handle = reader.handle(filename)
     tensors = {k: reader.read(filename, k) for k in handle.keys() if k.startswith(rng.PREFIX)}
     meta = reader.metadata(filename).get("rng")
+    where = os.path.join(reader.directory, filename)
     if meta is None:
-        raise CheckpointError(f"checkpoint file {os.path.join(reader.directory, filename)} "
-                              "has no random-generator state")
+        raise CheckpointError(f"checkpoint file {where} has no random-generator state")
+    try:
+        rng.check(tensors, meta)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint file {where}: {exc}") from None
     return tensors, meta
 
 
-def _agree(state: TrainingState, records, failure: Optional[BaseException], path: str) -> None:
-    """One scalar all-reduce (min over ranks of the first failing rank): all raise or none."""
-    comm = state.comm
+def _agree(comm, failure: Optional[BaseException], *, found: bool, where: str) -> None:
+    """One all-reduce (min of: the first failing rank, found, -found): every rank raises, or
+    none does, and all agree whether there is a checkpoint to load."""
     if comm.world_size > 1:
-        flag = torch.tensor([comm.rank if failure else comm.world_size], device=comm.device)
-        comm.all_reduce(flag, op="min")
-        first = int(flag.item())
+        flags = torch.tensor([comm.rank if failure else comm.world_size, int(found),
+                              -int(found)], device=comm.device)
+        comm.all_reduce(flags, op="min")
+        first, all_found, any_found = int(flags[0]), int(flags[1]), -int(flags[2])
     else:
-        first = 0 if failure else 1
-    if failure is not None:
+        first, all_found, any_found = (0 if failure else 1), int(found), int(found)
+    if isinstance(failure, CheckpointError):
         raise failure
+    if failure is not None:   # the same kind of error on every rank, so callers can react
+        raise CheckpointError(f"cannot load checkpoint {where}: {type(failure).__name__}: "
+                              f"{failure}") from failure
     if first < comm.world_size:
-        raise CheckpointError(f"rank {first} could not read checkpoint {path} (its error is "
-                              "in its log); the model was not updated")
+        raise CheckpointError(f"rank {first} could not read checkpoint {where} (its error is "
+                              "in its log); nothing was loaded, the training state is unchanged")
+    if all_found != any_found:
+        raise CheckpointError(f"ranks disagree on whether {where} holds a checkpoint (is the "
+                              "directory on storage every rank sees?); nothing was loaded")
 
 
 # --------------------------------------------------------------------------- JSON state
-def _restore_small(state: TrainingState, manifest: dict, *, with_optimizer: bool,
-                   with_scheduler: bool) -> None:
+def _check_small(state: TrainingState, manifest: dict, *, with_optimizer: bool,
+                 with_scheduler: bool, path: str) -> dict:
+    """The JSON state to restore, each piece checked against what will receive it."""
+    small: dict[str, Any] = {"param_groups": None, "loss_scaler": None, "lr_scheduler": None,
+                             "data_loader": None}
     if with_optimizer:
-        for group, saved in zip(state.optimizer.param_groups,
-                                manifest["optimizer"]["param_groups"]):
-            for key, value in saved.items():
-                group[key] = _like(group.get(key), value)
+        small["param_groups"] = check_group_values(
+            manifest["optimizer"]["param_groups"], state.optimizer.param_groups, path)
         if state.loss_scaler is not None and manifest.get("loss_scaler"):
-            state.loss_scaler.load_state_dict(manifest["loss_scaler"])
-    scheduler = state.lr_scheduler
-    if with_scheduler and scheduler is not None and manifest.get("lr_scheduler") is not None:
-        scheduler.load_state_dict(manifest["lr_scheduler"])
+            small["loss_scaler"] = _check_fields_of(
+                manifest["loss_scaler"], state.loss_scaler.state_dict(), "loss_scaler", path)
+    if with_scheduler and state.lr_scheduler is not None:
+        saved = manifest.get("lr_scheduler")
+        if saved is not None and not isinstance(saved, dict):
+            raise CheckpointError(f"checkpoint {path}: lr_scheduler is not a JSON object")
+        small["lr_scheduler"] = saved
     loader, position = state.data_loader, manifest.get("data_loader")
     if loader is not None and position is not None and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(position)
+        if hasattr(loader, "state_dict"):
+            position = _check_fields_of(position, loader.state_dict(), "data_loader", path)
+        small["data_loader"] = position
+    return small
+
+
+def _check_fields_of(saved: Any, live: dict, what: str, path: str) -> dict:
+    """``saved`` must be an object whose keys ``live`` has, each a number where ``live``
+    holds one (a bool where it holds a bool)."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path}: {what} is not a JSON object")
+    for key, value in saved.items():
+        if key not in live:
+            raise CheckpointError(f"checkpoint {path}: {what} has the unknown key {key!r}")
+        current = live[key]
+        if isinstance(current, bool) != isinstance(value, bool) or (
+                isinstance(current, (int, float)) and not isinstance(value, (int, float))):
+            raise CheckpointError(f"checkpoint {path}: {what}[{key!r}] is {value!r}; "
+                                  f"expected a value like {current!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(f"checkpoint {path}: {what}[{key!r}] is {value!r}")
+    return saved
+
+
+def _restore_small(state: TrainingState, small: dict) -> None:
+    if small["param_groups"] is not None:
+        for group, saved in zip(state.optimizer.param_groups, small["param_groups"]):
+            for key, value in saved.items():
+                group[key] = _like(group.get(key), value)
+    if small["loss_scaler"] is not None:
+        state.loss_scaler.load_state_dict(small["loss_scaler"])
+    if small["lr_scheduler"] is not None:
+        state.lr_scheduler.load_state_dict(small["lr_scheduler"])
+    if small["data_loader"] is not None:
+        state.data_loader.load_state_dict(small["data_loader"])
 
 
 def _like(current: Any, value: Any) -> Any:

@@ -54,6 +54,53 @@ def restore(tensors: dict[str, torch.Tensor], meta_json: str) -> None:
                                 info["cached_gaussian"]))
 
 
+
+def check(tensors: dict[str, torch.Tensor], meta_json: Any) -> None:
+    """Raise ValueError naming the first entry :func:`restore` could not apply, trying each
+    state on a scratch generator so that this process's own generators stay untouched."""
+    try:
+        meta = json.loads(meta_json)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"its random-generator metadata is not JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError("its random-generator metadata is not a JSON object")
+    for key in (f"{PREFIX}python", f"{PREFIX}torch_cpu"):
+        if key not in tensors:
+            raise ValueError(f"it has no tensor {key!r}")
+    for key in ("python_version", "python_gauss_next"):
+        if key not in meta:
+            raise ValueError(f"its random-generator metadata has no {key!r}")
+    words = tensors[f"{PREFIX}python"]
+    gauss = meta["python_gauss_next"]
+    if words.dtype != torch.int64 or words.dim() != 1 or not (
+            gauss is None or isinstance(gauss, float)):
+        raise ValueError(f"{PREFIX}python or python_gauss_next is not Python's random state")
+    _try(f"{PREFIX}python", lambda: random.Random().setstate(
+        (meta["python_version"], tuple(int(w) for w in words.tolist()), gauss)))
+    _try(f"{PREFIX}torch_cpu", lambda: torch.Generator().set_state(tensors[f"{PREFIX}torch_cpu"]))
+    devices = meta.get("cuda_devices", 0)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 0 or any(
+            f"{PREFIX}cuda/{i}" not in tensors for i in range(devices)):
+        raise ValueError(f"cuda_devices is {devices!r} but the CUDA states do not match it")
+    numpy_random = _numpy_random()
+    if numpy_random is not None and "numpy" in meta and f"{PREFIX}numpy" in tensors:
+        info = meta["numpy"]
+        if not isinstance(info, dict) or any(k not in info for k in (
+                "kind", "pos", "has_gauss", "cached_gaussian")):
+            raise ValueError("its numpy random state is incomplete")
+        keys = tensors[f"{PREFIX}numpy"]
+        _try(f"{PREFIX}numpy", lambda: numpy_random.RandomState().set_state((
+            info["kind"], keys.numpy().astype("uint32"), info["pos"], info["has_gauss"],
+            info["cached_gaussian"])))
+
+
+def _try(key: str, apply) -> None:
+    try:
+        apply()
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"{key} is not a valid generator state: {exc}") from None
+
+
 def _numpy_random():
     try:
         import numpy

@@ -7,7 +7,11 @@ Note: micro-steps and boundaries
     ``step()`` is called after every micro-step's ``backward()``. The optimizer steps only
     at the accumulation boundary, every ``gradient_accumulation_steps`` micro-steps; in
     between, gradients accumulate. ``global_steps`` counts boundaries, skipped ones included
-    (as DeepSpeed counts them); ``skipped_steps`` counts fp16 overflows.
+    (as DeepSpeed counts them); ``skipped_steps`` counts fp16 overflows and non-finite
+    gradients. A boundary whose gradient is non-finite under ``"nonfinite": "raise"`` ends
+    its window like a skipped step (counted in both, gradients dropped, parameters
+    unchanged) before ``NonFiniteGradientError`` propagates, so a loop that catches it and
+    goes on starts a fresh window of ``gradient_accumulation_steps`` micro-steps.
 """
 from __future__ import annotations
 
@@ -100,10 +104,17 @@ class ZeroEngine(nn.Module):
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
         with self._timers.time("step"):
-            if self.is_gradient_accumulation_boundary():
-                self._take_model_step(lr_kwargs or {})
-            self.micro_steps += 1
-            self.stage.begin_backward(self.is_gradient_accumulation_boundary())
+            try:
+                if self.is_gradient_accumulation_boundary():
+                    self._take_model_step(lr_kwargs or {})
+            except NonFiniteGradientError:   # counted as skipped: the window is over
+                self._end_micro_step()
+                raise
+            self._end_micro_step()
+
+    def _end_micro_step(self) -> None:
+        self.micro_steps += 1
+        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     def compile(self, backend: Any = "inductor", mode: Optional[str] = None, *,
                 compile_kwargs: Optional[dict] = None, schedule: Any = None,
@@ -164,12 +175,13 @@ class ZeroEngine(nn.Module):
                     self._lr_step_due = lr_kwargs
                 else:
                     self._lr_watch.step(self.lr_scheduler, **lr_kwargs)
-        else:
-            self._skip(outcome)
+        error = None if outcome.applied else self._skip(outcome)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
             self._log_progress()
+        if error is not None:
+            raise error
 
     def settle(self) -> None:
         """With ``offload_optimizer.dpu``, wait for the update running on the host, publish
@@ -195,24 +207,26 @@ class ZeroEngine(nn.Module):
         """DeepSpeed's name for :meth:`close`."""
         self.close()
 
-    def _skip(self, outcome: StepOutcome) -> None:
-        """A non-finite gradient: fp16 rescales; otherwise the ``nonfinite`` policy decides."""
+    def _skip(self, outcome: StepOutcome) -> Optional[NonFiniteGradientError]:
+        """A non-finite gradient, counted as skipped: fp16 rescales; otherwise the
+        ``nonfinite`` policy decides (the error to raise once the step is counted)."""
         order = {name: i for i, (name, _) in enumerate(self.module.named_parameters())}
         names = sorted(outcome.nonfinite_params, key=lambda n: order.get(n, len(order)))
         first = repr(names[0]) if names else "an unknown parameter"
         where = (f"step {self.global_steps + 1}: the gradient norm is {outcome.grad_norm}; "
                  f"first non-finite gradient (in model order) in {first}"
                  + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
+        self.skipped_steps += 1
         if self.loss_scaler is None and self.config.nonfinite == "raise":
-            raise NonFiniteGradientError(
+            return NonFiniteGradientError(
                 f"{where} ({self.config.precision} training; parameters left unchanged; set "
                 "\"nonfinite\": \"skip\" to skip such steps instead)")
-        self.skipped_steps += 1
         if self.loss_scaler is not None:
             logger.warning("fp16 overflow at %s: step skipped, loss scale now %s", where,
                            self.loss_scale)
         else:
             logger.warning("skipped %s", where)
+        return None
 
     def _log_progress(self) -> None:
         logger.info("step=%d skipped=%d lr=%s loss_scale=%s grad_norm=%s", self.global_steps,

@@ -138,6 +138,21 @@ def select_device(backends: Mapping[str, str]) -> torch.device:
     return torch.device("cuda", index)
 
 
+def set_group_timeout(timeout: datetime.timedelta,
+                      group: Optional[dist.ProcessGroup] = None) -> None:
+    """Give an existing group (default: the default group) ``timeout`` for its collectives.
+
+    ``initialize`` calls it when it adopts a group made before it (``init_distributed`` or
+    ``init_process_group`` first, the Trainer's path), so ``comms_timeout`` holds there too.
+    """
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:   # older torch
+        logger.warning("comms_timeout cannot be applied to the existing process group with "
+                       "torch %s; its own timeout stays", torch.__version__)
+        return
+    setter(timeout, group)
+
+
 def _elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """torchrun's store, with keys private to this restart attempt.
 

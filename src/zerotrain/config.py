@@ -300,7 +300,7 @@ class ZeroTrainConfig(_Section):
     wall_clock_breakdown: bool = False
     communication_data_type: Optional[PrecisionName] = None   # gradient reductions
     # zerotrain's own keys (not DeepSpeed's)
-    comms_timeout: float = Field(1800.0, gt=0)     # seconds a collective may wait
+    comms_timeout: float = Field(1800.0, gt=0, le=31_536_000, allow_inf_nan=False)  # s
     nonfinite: Literal["raise", "skip"] = "raise"  # bf16/fp32 inf/nan gradients
     debug: bool = False                            # name collectives and units in errors
 
@@ -415,6 +415,7 @@ def _read(config: Any) -> Dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, Mapping):
+        _check_depth(config, "the config")
         return copy.deepcopy(dict(config))
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError("", "config must be a dict, a path to a JSON file, or None; "
@@ -432,10 +433,30 @@ def _read(config: Any) -> Dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ConfigError("", f"config file {path} is not valid JSON: {exc.msg} "
                               f"(line {exc.lineno}, column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:   # a 5000-digit number, deep nesting
+        raise ConfigError("", f"config file {path} cannot be read as JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError("", f"config file {path} must hold a JSON object, "
                               f"not {type(data).__name__}")
+    _check_depth(data, f"config file {path}")
     return data
+
+
+MAX_DEPTH = 64   # far deeper than any DeepSpeed config; deeper would hit Python's recursion
+
+
+def _check_depth(config: Any, what: str) -> None:
+    """ConfigError when dicts and lists nest deeper than MAX_DEPTH (checked without
+    recursion, so that the check itself cannot overflow)."""
+    stack = [(config, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError("", f"{what} nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, Mapping):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _no_duplicates(pairs: List[Any], path: str) -> Dict[str, Any]:

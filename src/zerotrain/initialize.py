@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 import warnings
@@ -31,9 +32,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpointing
+from .checkpoint import CheckpointError
 from .checkpoint.deepspeed import is_deepspeed_tag_dir
+from .checkpoint.fs import resume_candidates
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
-                   select_device)
+                   select_device, set_group_timeout)
 from .compile import refuse_precompiled
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
@@ -89,8 +92,12 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         raise ConfigError("mpu", "model parallelism (mpu) is not supported; zerotrain is "
                           "data parallel")
     source = _config_source(args, config, config_params)
+    timeout = _comms_timeout(source)
+    adopted = dist.is_initialized()
     init_distributed(distributed_port=distributed_port, verbose=False,
-                     timeout=_comms_timeout(source))
+                     timeout=timeout or DEFAULT_TIMEOUT)
+    if adopted and timeout is not None:   # a group made before us: give it our timeout
+        set_group_timeout(timeout)
     cfg = load_config(source, world_size=dist.get_world_size(), warn_unimplemented=False)
     if cfg.unimplemented_keys and dist.get_rank() == 0:   # once per job, at the user's line
         warnings.warn(unimplemented_message(cfg.unimplemented_keys), ZeroTrainConfigWarning,
@@ -141,16 +148,33 @@ AUTO_RESUME_ENV = "ZEROTRAIN_AUTO_RESUME"  # set by `zerotrain launch --auto-res
 
 
 def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
-    """Load the newest complete checkpoint of ``checkpoint.auto_resume`` if there is one."""
+    """Load the newest checkpoint of ``checkpoint.auto_resume`` that loads.
+
+    The tag ``latest`` names is tried first, then the other complete tags, newest first
+    (``checkpoint.fs.resume_candidates``); what was skipped is named in a warning. With
+    checkpoints present and none loadable it raises rather than start over from step 0
+    (and later overwrite them)."""
     directory = cfg.checkpoint.auto_resume or os.environ.get(AUTO_RESUME_ENV)
     if directory and is_deepspeed_tag_dir(directory):   # global_stepN/ itself: say so
         raise ConfigError("checkpoint.auto_resume", f"{directory} is one tag of a DeepSpeed "
                           "checkpoint; give the save directory that holds it and its "
                           f"'latest' file ({os.path.dirname(os.path.abspath(directory))})")
-    if not directory or not os.path.exists(os.path.join(directory, "latest")):
+    if not directory or not os.path.isdir(directory):
         return
-    path, _ = engine.load_checkpoint(directory)
-    logger.info("auto-resume: continued from %s at step %d", path, engine.global_steps)
+    candidates, notes = resume_candidates(directory)
+    for tag in candidates:   # a failed load changes nothing, so the next one can be tried
+        try:
+            path, _ = engine.load_checkpoint(directory, tag=tag)
+        except CheckpointError as exc:
+            notes.append(f"{tag}: {exc}")
+            continue
+        if notes:
+            logger.warning("auto-resume: skipped %s", "; ".join(notes))
+        logger.info("auto-resume: continued from %s at step %d", path, engine.global_steps)
+        return
+    if candidates:
+        raise CheckpointError(f"auto-resume: {directory} holds checkpoints but none of them "
+                              f"loads, so training does not start over: {'; '.join(notes)}")
 
 
 def _user_stacklevel() -> int:
@@ -177,12 +201,15 @@ def _config_source(args, config, config_params):
     return given[0]
 
 
-def _comms_timeout(source) -> datetime.timedelta:
-    """``comms_timeout`` (seconds) for the process group, read before full validation."""
+def _comms_timeout(source) -> Optional[datetime.timedelta]:
+    """``comms_timeout`` (seconds) for the process group, read before full validation; None
+    when the config does not set it (invalid values are reported by load_config right
+    after)."""
     value = read_config_dict(source).get("comms_timeout")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
+            value) and 0 < value <= 31_536_000:
         return datetime.timedelta(seconds=value)
-    return DEFAULT_TIMEOUT  # invalid values are reported by load_config right after
+    return None
 
 
 def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
@@ -265,11 +292,13 @@ def _scheduler(cfg: ZeroTrainConfig, client, optimizer: torch.optim.Optimizer):
 
 
 def fingerprint(model: nn.Module, cfg: ZeroTrainConfig) -> dict:
-    """What must be identical on every rank: parameter names/shapes/dtypes and the config."""
+    """What must be identical on every rank: parameter and buffer names/shapes/dtypes (rank
+    0's are broadcast into them) and the config."""
     params = [(n, tuple(full_shape(p)), str(p.dtype), p.requires_grad)
               for n, p in model.named_parameters()]
-    digest = hashlib.sha256(json.dumps(params).encode()).hexdigest()[:16]
-    return {"parameters": digest, "parameter_list": params,
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    digest = hashlib.sha256(json.dumps([params, buffers]).encode()).hexdigest()[:16]
+    return {"parameters": digest, "parameter_list": params, "buffer_list": buffers,
             "config": json.dumps(cfg.raw, sort_keys=True, default=str)}
 
 
@@ -281,15 +310,34 @@ def check_same_across_ranks(comm: Communicator, local: dict) -> None:
     reference = everyone[0]
     for rank, other in enumerate(everyone):
         if other["config"] != reference["config"]:
-            raise RankMismatchError(f"rank {rank} has a different config than rank 0")
+            key = _config_difference(json.loads(reference["config"]),
+                                     json.loads(other["config"]))
+            raise RankMismatchError(f"rank {rank} has a different config than rank 0: {key}")
         if other["parameters"] != reference["parameters"]:
             raise RankMismatchError(
                 f"rank {rank} has a different model than rank 0: "
-                f"{_first_difference(reference['parameter_list'], other['parameter_list'])}")
+                f"{_first_difference(reference, other)}")
 
 
-def _first_difference(a: list, b: list) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if tuple(x) != tuple(y):
-            return f"parameter {i}: rank 0 has {tuple(x)}, the other rank has {tuple(y)}"
-    return f"rank 0 has {len(a)} parameters, the other rank has {len(b)}"
+def _config_difference(a: Any, b: Any, path: str = "") -> str:
+    """The first dotted key whose value differs, with both values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            where = f"{path}.{key}" if path else key
+            if key not in a or key not in b:
+                side = "rank 0" if key in a else "the other rank"
+                return f"{where} is set only on {side}"
+            if a[key] != b[key]:
+                return _config_difference(a[key], b[key], where)
+    return f"{path or 'the config'} is {a!r} on rank 0, {b!r} on the other rank"
+
+
+def _first_difference(reference: dict, other: dict) -> str:
+    for kind in ("parameter", "buffer"):
+        a, b = reference[f"{kind}_list"], other[f"{kind}_list"]
+        for i, (x, y) in enumerate(zip(a, b)):
+            if tuple(x) != tuple(y):
+                return f"{kind} {i}: rank 0 has {tuple(x)}, the other rank has {tuple(y)}"
+        if len(a) != len(b):
+            return f"rank 0 has {len(a)} {kind}s, the other rank has {len(b)}"
+    return "the fingerprints differ"

@@ -168,8 +168,9 @@ def test_publish_replaces_a_tag_and_a_crash_between_renames_is_recovered(tmp_pat
     os.rename(tmp_path / "t1", tmp_path / ".old-t1-ccc")
     os.makedirs(tmp_path / ".tmp-t1-ccc")
     assert fs.tag_dir(root, "t1") == str(tmp_path / ".old-t1-ccc")
-    fs.prepare(root, "t2", "ddd")
-    assert sorted(os.listdir(root)) == [".tmp-t2-ddd", "latest", "t1"]
+    fs.prepare(root, "t2", "ddd")   # a save in progress holds its lock file
+    assert sorted(os.listdir(root)) == [".tmp-t2-ddd", fs.LOCK_NAME, "latest", "t1"]
+    fs.unlock(root)
     assert fs.tag_dir(root, "t1") == str(tmp_path / "t1")
 
 

@@ -21,7 +21,8 @@ Note: one save at a time
     deletes the lock file before it lets go, so no file stays behind between saves; whoever
     locks a file that has been deleted meanwhile sees so (inode check) and starts over. The
     kernel drops the lock when its process dies: a killed save leaves an unlocked file, which
-    the next save takes.
+    the next save takes. On a filesystem without ``flock`` support the save goes on without
+    the guard, after a warning.
 
 Note: crash points (tests only)
     ``ZEROTRAIN_CHECKPOINT_CRASH_AT=<point>`` makes the saving process SIGKILL itself at that
@@ -34,11 +35,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import secrets
 import shutil
 import signal
+import stat
 from typing import Optional
 
 from .manifest import LATEST_NAME, MANIFEST_NAME, CheckpointError, check_tag
@@ -49,6 +52,7 @@ logger = logging.getLogger(__name__)
 CRASH_ENV = "ZEROTRAIN_CHECKPOINT_CRASH_AT"
 _TMP, _OLD = ".tmp-", ".old-"
 LOCK_NAME = ".zerotrain-save.lock"
+LATEST_MAX_BYTES = 4096
 _held_locks: dict[str, tuple[int, str]] = {}   # realpath(save_dir) -> (fd, lock file)
 
 
@@ -67,15 +71,78 @@ def temp_dir(save_dir: str, tag: str, nonce: str) -> str:
 
 
 # --------------------------------------------------------------------------- reading
-def read_latest(save_dir: str) -> Optional[str]:
-    """The tag ``latest`` names, or None when there is no ``latest`` file."""
+def read_latest_text(save_dir: str) -> Optional[str]:
+    """The text of ``save_dir/latest``, stripped; None when there is none.
+
+    Only a regular file of at most :data:`LATEST_MAX_BYTES` bytes of UTF-8 is read: a FIFO,
+    a device such as ``/dev/zero`` or a huge file raises CheckpointError instead of hanging
+    or exhausting memory (opened non-blocking, checked with ``fstat`` before reading).
+    """
     path = os.path.join(save_dir, LATEST_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            tag = f.read().strip()
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return check_tag(tag)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is not a regular file; 'latest' holds the name of "
+                                  "a checkpoint tag")
+        data = os.read(fd, LATEST_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > LATEST_MAX_BYTES:
+        raise CheckpointError(f"{path} is longer than {LATEST_MAX_BYTES} bytes; 'latest' holds "
+                              "the name of a checkpoint tag")
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not UTF-8 text") from None
+
+
+def read_latest(save_dir: str) -> Optional[str]:
+    """The tag ``latest`` names, or None when there is no ``latest`` file."""
+    tag = read_latest_text(save_dir)
+    return None if tag is None else check_tag(tag)
+
+
+def resume_candidates(save_dir: str) -> tuple[list[str], list[str]]:
+    """Tags to resume from, best first, and notes on what was left out.
+
+    The tag ``latest`` names comes first (whatever it is, so a reader of another format can
+    try it), then every other tag directory holding a ``manifest.json``, by its
+    ``counters.global_steps``, newest first. Directories without a manifest are not
+    candidates; they are only noted.
+    """
+    notes: list[str] = []
+    named = None
+    try:
+        named = read_latest(save_dir)
+    except CheckpointError as exc:
+        notes.append(f"'latest': {exc}")
+    found = []
+    for entry in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, entry)
+        if entry.startswith(".") or entry == named or not os.path.isdir(path):
+            continue
+        steps = _global_steps(path)
+        if steps is None:
+            notes.append(f"{entry}: no readable {MANIFEST_NAME}")
+        else:
+            found.append((steps, os.path.getmtime(path), entry))
+    ordered = [entry for *_, entry in sorted(found, reverse=True)]
+    return ([named] if named else []) + ordered, notes
+
+
+def _global_steps(tag_path: str) -> Optional[int]:
+    try:
+        with open(os.path.join(tag_path, MANIFEST_NAME), encoding="utf-8") as f:
+            steps = json.load(f)["counters"]["global_steps"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def tag_dir(save_dir: str, tag: str) -> Optional[str]:
@@ -110,8 +177,10 @@ def lock(save_dir: str) -> None:
         except OSError as exc:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):   # no locks on this filesystem
+                logger.warning("cannot lock %s (%s): saving without the one-save-at-a-time "
+                               "guard", path, exc.strerror or exc)
+                return
             raise CheckpointError(f"another process (pid {holder}) is saving a checkpoint "
                                   f"into {save_dir} right now; two jobs must not save into "
                                   "one directory (give each its own save_dir)") from None
@@ -184,15 +253,20 @@ def publish(save_dir: str, tmp: str, tag: str, nonce: str, *, save_latest: bool)
     crash_point("latest")
     if save_latest:
         write_latest(save_dir, tag, nonce)
+    unlock(save_dir)   # published: the next save may start
     return final
 
 
 def write_latest(save_dir: str, tag: str, nonce: str) -> None:
     temp = os.path.join(save_dir, f"{_TMP}{LATEST_NAME}-{nonce}")
-    with open(temp, "w", encoding="utf-8") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        remove_quietly(temp)
+        raise CheckpointError(f"cannot write {temp}: {exc.strerror or exc}") from exc
     os.replace(temp, os.path.join(save_dir, LATEST_NAME))
     fsync_dir(save_dir)
 

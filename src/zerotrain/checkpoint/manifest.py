@@ -112,8 +112,8 @@ def read_manifest(tag_dir: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete zerotrain "
                               "checkpoint") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    except (OSError, ValueError, RecursionError) as exc:   # deep nesting, 5000-digit numbers
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
     validate(manifest, tag_dir)
     return manifest
 
@@ -192,6 +192,32 @@ def _check_record(record: dict, where: str) -> None:
     if len(record["files"]) != world:
         raise CheckpointError(f"{where}: layout world {world} but {len(record['files'])} "
                               "shard files")
+    _check_state_spec(record, where)
     if record["dtype"] != "F32":
         raise CheckpointError(f"{where}: master weights have dtype {record['dtype']}; "
                               "zerotrain checkpoints hold fp32 (F32) masters")
+
+
+def _check_state_spec(record: dict, where: str) -> None:
+    """``state_tensors`` are key names; each ``state_scalars`` entry is ``{"dtype": name,
+    "value": v}`` with a finite number for a tensor dtype (any JSON value for "python")."""
+    if not all(isinstance(key, str) for key in record["state_tensors"]):
+        raise CheckpointError(f"{where}: state_tensors {record['state_tensors']!r} is not a "
+                              "list of names")
+    for key, spec in record["state_scalars"].items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) \
+                or "value" not in spec:
+            raise CheckpointError(f"{where}: state_scalars[{key!r}] is {spec!r}; expected "
+                                  "{'dtype': ..., 'value': ...}")
+        if spec["dtype"] != "python" and not _finite_number(spec["value"]):
+            raise CheckpointError(f"{where}: state_scalars[{key!r}] value "
+                                  f"{str(spec['value'])[:40]!r} is not a finite number")
+
+
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:   # an integer too large for a float
+        return False

@@ -103,7 +103,7 @@ def _raise_first(everyone: list[dict], tag: str) -> None:
     if errors:
         raise CheckpointError(errors[0])
     for rank, other in enumerate(everyone):
-        if other["tag"] != tag:
+        if other["tag"] != everyone[0]["tag"]:
             raise CheckpointError(f"ranks disagree on the checkpoint tag: rank 0 has "
                                   f"{everyone[0]['tag']!r}, rank {rank} has {other['tag']!r}")
         if _structure(other["records"]) != _structure(everyone[0]["records"]):
@@ -260,8 +260,11 @@ def _manifest(state: TrainingState, tag: str, metas: list[dict], sizes: dict,
 
 def _write_json(path: str, value: dict) -> int:
     data = json.dumps(value, indent=1).encode()
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:   # a full disk names no file by itself
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from exc
     return len(data)

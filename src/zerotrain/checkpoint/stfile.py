@@ -72,19 +72,24 @@ def write_file(path: str, specs: list[TensorSpec], produce: Callable[[TensorSpec
         offset += spec.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % _ALIGN)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for spec in specs:
-            tensor = produce(spec)
-            if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-                raise CheckpointError(f"{path}: tensor {spec.key!r} is {tensor.dtype} "
-                                      f"{tuple(tensor.shape)}, expected {spec.dtype} {spec.shape}")
-            f.write(_raw_bytes(tensor))
-            del tensor   # before the next produce(): one tensor alive, not two
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for spec in specs:
+                tensor = produce(spec)
+                if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                    raise CheckpointError(f"{path}: tensor {spec.key!r} is {tensor.dtype} "
+                                          f"{tuple(tensor.shape)}, expected {spec.dtype} "
+                                          f"{spec.shape}")
+                f.write(_raw_bytes(tensor))
+                del tensor   # before the next produce(): one tensor alive, not two
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+    except OSError as exc:   # a full disk names no file by itself
+        raise CheckpointError(f"cannot write checkpoint file {path}: "
+                              f"{exc.strerror or exc}") from exc
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -116,6 +121,7 @@ class Reader:
         self.bytes_read = 0
         self._stack = ExitStack()
         self._open: dict[str, object] = {}
+        self._keys: dict[str, frozenset[str]] = {}
 
     def __enter__(self) -> "Reader":
         return self
@@ -136,6 +142,7 @@ class Reader:
             try:
                 self._open[filename] = self._stack.enter_context(
                     safe_open(path, framework="pt", device="cpu"))
+                self._keys[filename] = frozenset(self._open[filename].keys())  # once per file
             except (SafetensorError, OSError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint file {path} is corrupted or truncated: "
                                       f"{exc}") from exc
@@ -146,7 +153,7 @@ class Reader:
         """Raise unless ``filename`` holds ``key`` with this dtype (and shape)."""
         handle = self.handle(filename)
         path = os.path.join(self.directory, filename)
-        if key not in handle.keys():
+        if key not in self._keys[filename]:
             raise CheckpointError(f"checkpoint file {path} has no tensor {key!r}")
         piece = handle.get_slice(key)
         found = piece.get_dtype()

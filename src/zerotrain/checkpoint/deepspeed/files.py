@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..fs import read_latest_text
 from ..manifest import CheckpointError
 from .unpickle import load_file
 
@@ -38,9 +39,10 @@ def find_tag_dir(load_dir: str, tag: Optional[Any] = None, *,
         return load_dir
     if tag is None:
         try:
-            with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
-                tag = f.read().strip()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            tag = read_latest_text(load_dir)   # bounded: never a FIFO or a huge file
+        except CheckpointError:
+            return None   # not a DeepSpeed checkpoint we can read; zerotrain's loader says why
+        if tag is None:
             return None
     tag = str(tag)
     if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):

@@ -198,6 +198,12 @@ def _failures(rank, world):
         out["fallback_diff"] = R.max_diff(dict(model.named_parameters()),
                                           dict(plain.named_parameters()))
     out["fallen_back"] = engine._compilation.fallen_back
+    before = engine._compilation
+    try:   # a failed call keeps the compilation in place
+        engine.compile(backend="no_such_backend", compile_kwargs={"fullgraph": True})
+    except ConfigError:
+        out["kept"] = engine._compilation is before and all(
+            type(b.__dict__.get("forward")).__name__ == "_CompiledForward" for b in model.blocks)
     return out
 
 
@@ -211,6 +217,7 @@ def test_compile_failures_name_the_block_and_backend(worlds):
         # eager fallback: the first block fails once, the second (same code) goes eager
         assert res["fallen_back"] == ["blocks.0"], res
         assert res["fallback_diff"] == 0.0, res
+        assert res["kept"] is True, res
 
 
 def test_model_compiled_before_initialize_is_refused():

@@ -13,6 +13,7 @@ result by ~2e-3. bf16 is therefore held to 2e-4 (measured 4.6e-5 to 7.8e-5).
 """
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -25,7 +26,8 @@ import make_deepspeed_ckpts as M  # noqa: E402
 FIXTURES = M.DEFAULT_OUT
 
 
-def _resume(rank, world, case_name, stage, gas, micro, out_dir, *, load_optimizer=True):
+def _resume(rank, world, case_name, stage, gas, micro, out_dir, *, load_optimizer=True,
+            save_dir=None):
     """Load the DeepSpeed checkpoint into a fresh zerotrain engine, train AFTER steps,
     return (step counter, client_state, lr, full fp32 masters on rank 0)."""
     import zerotrain
@@ -40,7 +42,8 @@ def _resume(rank, world, case_name, stage, gas, micro, out_dir, *, load_optimize
         model.norm.requires_grad_(False)
     engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
                                       config=config)
-    path, client = engine.load_checkpoint(os.path.join(FIXTURES, case_name, "checkpoint"),
+    path, client = engine.load_checkpoint(save_dir or os.path.join(FIXTURES, case_name,
+                                                                   "checkpoint"),
                                           tag=f"global_step{case['before']}",
                                           load_optimizer_states=load_optimizer)
     steps = engine.global_steps
@@ -88,11 +91,19 @@ def test_deepspeed_run_continues_in_zerotrain(worlds, tmp_path, case_name, world
 
 
 def test_without_optimizer_state_the_run_does_not_continue_the_same(worlds, tmp_path):
-    """The control: the same resume with fresh Adam moments lands far from DeepSpeed's."""
+    """The control: the same resume with fresh Adam moments lands far from DeepSpeed's, and
+    a checkpoint whose optimizer files are gone loads its weights the same way."""
     expected = load_file(os.path.join(FIXTURES, "z2_fp32_w2", "expected.safetensors"))
-    results = worlds.run(2, _resume, "z2_fp32_w2", 2, 1, 3, str(tmp_path / "out"),
-                         load_optimizer=False)
-    assert _max_diff(results[0][3], expected) > 1e-4
+    weights_only = tmp_path / "weights_only"
+    shutil.copytree(os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint"), weights_only)
+    for path in weights_only.glob("global_step*/zero_pp_rank_*_optim_states.pt"):
+        path.unlink()
+    fresh = worlds.run(2, _resume, "z2_fp32_w2", 2, 1, 3, str(tmp_path / "out"),
+                       load_optimizer=False)[0][3]
+    assert _max_diff(fresh, expected) > 1e-4
+    moduleonly = worlds.run(2, _resume, "z2_fp32_w2", 2, 1, 3, str(tmp_path / "out2"),
+                            load_optimizer=False, save_dir=str(weights_only))[0][3]
+    assert all(torch.equal(moduleonly[k], fresh[k]) for k in fresh)
 
 
 def _auto_resume(rank, world, save_dir):

@@ -358,11 +358,20 @@ class Communicator:
             raise CollectiveError(f"{what} failed: {exc}") from exc
         return _DescribedWork(work, what) if async_op else work
 
-    def all_gather_object(self, obj: Any) -> list:
-        """Every rank's picklable ``obj``, in rank order (small metadata only)."""
+    def all_gather_object(self, obj: Any, *, label: str = "") -> list:
+        """Every rank's picklable ``obj``, in rank order (small metadata only). With
+        ``debug``, logged and named (with ``label``) in any error."""
         out: list = [None] * self.world_size
         self.ledger.calls["all_gather_object"] += 1
-        dist.all_gather_object(out, obj, group=self.group)
+        if not self.debug:
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        what = f"rank {self.rank}: all_gather_object" + (f" for {label}" if label else "")
+        logger.debug("%s", what)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as exc:
+            raise CollectiveError(f"{what} failed: {exc}") from exc
         return out
 
     def barrier(self) -> None:

@@ -225,17 +225,20 @@ def test_ranks_that_differ_in_a_buffer_or_a_config_key_are_told_which(worlds, ca
 
 
 # --------------------------------------------------------------------------- comms_timeout
-def _stuck_peer_job(rank, world, flag):
+def _stuck_peer_job(rank, world, flag, what):
     import time
     engine, _ = _engine(R.engine_config(stage=2, comms_timeout=3, debug=True))
-    if rank == 1:   # never joins the gradient reduction; waits for rank 0 to give up
+    if rank == 1:   # never joins rank 0's collective; waits for rank 0 to give up
         deadline = time.monotonic() + 120
         while not os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.1)
         return {"released": os.path.exists(flag)}
     try:
-        engine.backward(engine(*R.micro_batch(0, rank, 0)))
-        engine.step()
+        if what == "save":
+            engine.save_checkpoint(os.path.dirname(flag) + "/ckpt")
+        else:
+            engine.backward(engine(*R.micro_batch(0, rank, 0)))
+            engine.step()
         error = None
     except Exception as exc:  # noqa: BLE001 - the message is what is tested
         error = f"{type(exc).__name__}: {exc}"
@@ -243,12 +246,17 @@ def _stuck_peer_job(rank, world, flag):
     return {"error": error}
 
 
-def test_comms_timeout_applies_to_a_process_group_that_already_existed(tmp_path):
+@pytest.mark.parametrize("what", ["step", "save"])
+def test_comms_timeout_applies_to_a_process_group_that_already_existed(tmp_path, what):
     """The test harness creates the group (default timeout) before initialize adopts it:
-    rank 0's reduction times out after comms_timeout, while rank 1 is still waiting."""
-    rank0, rank1 = run_world(_stuck_peer_job, 2, str(tmp_path / "gave-up"), timeout=200)
+    rank 0's collective times out after comms_timeout, while rank 1 is still waiting, and
+    under ``debug`` the error names it (a gradient reduction, a save's handshake)."""
+    rank0, rank1 = run_world(_stuck_peer_job, 2, str(tmp_path / "gave-up"), what,
+                             timeout=200)
     assert rank1["released"], (rank0, rank1)
-    assert "CollectiveError" in rank0["error"] and "reduce_scatter" in rank0["error"], rank0
+    assert "CollectiveError" in rank0["error"], rank0
+    assert ("reduce_scatter" if what == "step" else "checkpoint save: metadata") in rank0[
+        "error"], rank0
 
 
 # --------------------------------------------------------------------------- non-finite

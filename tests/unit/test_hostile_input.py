@@ -72,3 +72,35 @@ def test_a_manifest_with_hostile_values_is_a_checkpoint_error(tmp_path, edit):
     (tag_dir / "manifest.json").write_text(text)
     with pytest.raises(CheckpointError):
         read_manifest(str(tag_dir))
+
+
+def test_consolidating_a_record_bigger_than_its_file_fails_before_allocating(tmp_path):
+    """A manifest claiming a 10^11-element parameter over a 4-element shard file: a named
+    error, not a 400 GB allocation."""
+    import torch
+    from zerotrain.checkpoint import iter_fp32_tensors
+    from zerotrain.flat import FlatLayout
+    tag = tmp_path / "t"
+    tag.mkdir()
+    (tmp_path / "latest").write_text("t")
+    sizes = {"rank00000.safetensors": write_file(
+        str(tag / "rank00000.safetensors"), [TensorSpec("rec0/master", torch.float32, (4,))],
+        lambda spec: torch.ones(4)),
+        "module.safetensors": write_file(str(tag / "module.safetensors"), [],
+                                         lambda spec: None)}
+    numel = 10 ** 11
+    layout = FlatLayout([numel], world=1, bucket_numel=numel)
+    record = {"key": "rec0", "group_index": 0, "names": ["w"], "shapes": [[numel]],
+              "layout": layout.describe(), "shard_numel": layout.shard_numel,
+              "files": ["rank00000.safetensors"], "dtype": "F32", "state_tensors": [],
+              "state_scalars": {}}
+    manifest = {"format": "zerotrain.checkpoint", "version": 1, "tag": "t", "world_size": 1,
+                "stage": 0, "precision": "fp32", "records": [record],
+                "counters": {"global_steps": 1, "micro_steps": 1, "skipped_steps": 0,
+                             "global_samples": 8},
+                "module_file": "module.safetensors", "frozen": [], "buffers": [],
+                "rank_files": ["rank00000.safetensors"], "file_sizes": sizes,
+                "optimizer": {}}
+    (tag / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="shape"):
+        next(iter(iter_fp32_tensors(str(tmp_path))))

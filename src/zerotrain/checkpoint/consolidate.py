@@ -71,7 +71,12 @@ def export_specs(manifest: dict) -> list[TensorSpec]:
 def read_full(index: SourceIndex, reader: Reader, spec: TensorSpec) -> torch.Tensor:
     """One exported tensor, whole, in ``spec.dtype``."""
     if spec.key in index.params:
-        numel = index.params[spec.key].slot.numel
+        source = index.params[spec.key]
+        record = source.record
+        for filename in record["files"]:   # the files hold what the manifest claims: check
+            reader.check(filename, f"{record['key']}/master", torch.float32,   # before the
+                         (record["shard_numel"],))                             # allocation
+        numel = source.slot.numel
         out = torch.empty(numel, dtype=torch.float32)
         index.read_into(reader, spec.key, "master", 0, numel, out)
         return out.view(spec.shape)

@@ -286,7 +286,7 @@ def _agree(comm, failure: Optional[BaseException], *, found: bool, where: str) -
     if comm.world_size > 1:
         flags = torch.tensor([comm.rank if failure else comm.world_size, int(found),
                               -int(found)], device=comm.device)
-        comm.all_reduce(flags, op="min")
+        comm.all_reduce(flags, op="min", label="checkpoint load: agreement")
         first, all_found, any_found = int(flags[0]), int(flags[1]), -int(flags[2])
     else:
         first, all_found, any_found = (0 if failure else 1), int(found), int(found)

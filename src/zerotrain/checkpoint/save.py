@@ -72,7 +72,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
             fs.prepare(save_dir, tag, local["nonce"])
     except (CheckpointError, OSError) as exc:
         local["error"] = f"rank {comm.rank}: {exc}"
-    everyone = comm.all_gather_object(local)
+    everyone = comm.all_gather_object(local, label="checkpoint save: metadata")
     _raise_first(everyone, tag)
     tmp = fs.temp_dir(save_dir, tag, everyone[0]["nonce"])
     outcome: dict[str, Any] = {"error": None, "size": 0}
@@ -81,13 +81,13 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
         fs.crash_point("file")
     except (CheckpointError, OSError) as exc:
         outcome["error"] = f"rank {comm.rank}: {exc}"
-    written = comm.all_gather_object(outcome)
+    written = comm.all_gather_object(outcome, label="checkpoint save: files written")
     final: dict[str, Any] = {"error": None, "bytes": 0, "path": None}
     if comm.rank == 0:
         final = _finish_on_rank0(state, save_dir, tmp, tag, everyone, written, small,
                                  client_tensors, save_latest)
         fs.unlock(save_dir)   # before the last gather: ranks return to a settled directory
-    final = comm.all_gather_object(final)[0]
+    final = comm.all_gather_object(final, label="checkpoint save: publication")[0]
     if final["error"]:
         raise CheckpointError(final["error"])
     report = CheckpointReport(path=final["path"], seconds=time.perf_counter() - start,

@@ -4,8 +4,8 @@ with trainable low-rank adapters, every parameter partitioned (persistence thres
 Each block applies a frozen layer norm before a LoRA linear, so backward needs the norm's
 frozen weight after the adapter's gradients are in; the wrapper's ``generate`` calls the
 inner model directly, never the wrapped root's forward, so the embedding, final norm and
-tied head (owned by the root's unit) are gathered by their own modules. Training and
-generation must match stage 0.
+tied head (owned by the root's unit) are gathered by their own modules; each block modifies
+its input in place. Training and generation must match stage 0.
 """
 import pytest
 import torch
@@ -33,6 +33,7 @@ class Block(nn.Module):
         self.proj = LoraLinear()
 
     def forward(self, x):
+        x.mul_(1.0)   # a forward may modify its input in place
         return x + torch.tanh(self.proj(self.norm(x)))
 
 

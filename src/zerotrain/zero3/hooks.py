@@ -12,13 +12,17 @@ Note: end of a unit's backward
     Gradients of the trainable parameters are not enough to know that backward is done with
     a unit: a frozen parameter (a LoRA model's layer norm before a LoRA linear) is used to
     compute the gradient of the unit's input after the trainable ones have theirs. So the
-    forward pre-hook passes the unit's inputs that require grad through an identity autograd
-    function (FSDP2's ``RegisterPostBackwardFunction``); its backward runs once the
-    gradients of all those inputs are computed, which is after every operation of the unit
-    that backward runs. A unit is released in backward when both happened: its trainable
-    parameters have their gradients, and, if its forward had inputs that require grad,
-    that function ran. Inputs that need no gradient need no frozen parameter in backward
-    either, except to reach the unit's own trainable parameters, which come later.
+    forward pre-hook registers a multi-gradient hook on the unit's inputs that require grad
+    (``torch.autograd.graph.register_multi_grad_hook``); it runs once the gradients of all
+    those inputs are computed, which is after every operation of the unit that backward
+    runs. (FSDP2 passes the inputs through an identity autograd function instead, which
+    forbids a forward that modifies its input in place.) A unit is released in backward
+    when both happened: its trainable parameters have their gradients, and, if its forward
+    had inputs that require grad, that hook ran. Inputs that need no gradient need no frozen
+    parameter in backward either, except to reach the unit's own trainable parameters,
+    which come later. The hook that gathers a unit for backward sits on the node that made
+    its output, whose pre-hooks run after the tensor hooks on that output: the unit after
+    it in forward order is released before this one is gathered.
 
 Note: entry points
     A unit is gathered by whichever of its modules runs first: the module that roots the unit,
@@ -327,34 +331,17 @@ def hooks_set_aside(handles: list[Any]) -> Iterator[None]:
             hooks.update(items)
 
 
-class _InputsBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward marks the end of the unit's backward
-    (Note: end of a unit's backward)."""
-
-    @staticmethod
-    def forward(ctx, scheduler: UnitScheduler, index: int, *inputs: torch.Tensor):
-        ctx.scheduler, ctx.index = scheduler, index
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.scheduler.inputs_backward_done(ctx.index)
-        return (None, None) + grads
-
-
 def _before_forward(scheduler: UnitScheduler, index: int, module: nn.Module,
-                    args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+                    args: tuple, kwargs: dict) -> None:
     if not scheduler.enter(index) or not torch.is_grad_enabled():
-        return None
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad]
-    if not at:
-        return None
-    scheduler.expect_inputs_backward(index)
-    passed = _InputsBackward.apply(scheduler, index, *(flat[i] for i in at))
-    for i, tensor in zip(at, passed):
-        flat[i] = tensor
-    return pytree.tree_unflatten(flat, spec)
+        return
+    inputs = [v for v in pytree.tree_leaves((args, kwargs))
+              if isinstance(v, torch.Tensor) and v.requires_grad]
+    if inputs:   # Note: end of a unit's backward (a hook, not a wrapper: inputs stay as
+        # they are, so a forward may still modify them in place)
+        scheduler.expect_inputs_backward(index)
+        torch.autograd.graph.register_multi_grad_hook(
+            inputs, lambda grads: scheduler.inputs_backward_done(index), mode="all")
 
 
 def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args: Any,
@@ -370,7 +357,14 @@ def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args
         return grad
 
     for tensor in _tensors(output):
-        if tensor.requires_grad:
+        if not tensor.requires_grad:
+            continue
+        if tensor.grad_fn is not None:
+            # on the node, not the tensor: a node's pre-hooks run after the tensor hooks
+            # that tell the next unit (in forward order) its backward is done, so that
+            # unit is released before this one is gathered
+            tensor.grad_fn.register_prehook(lambda grad_outputs: on_grad(None))
+        else:
             tensor.register_hook(on_grad)
 
 

@@ -104,3 +104,13 @@ def test_consolidating_a_record_bigger_than_its_file_fails_before_allocating(tmp
     (tag / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="shape"):
         next(iter(iter_fp32_tensors(str(tmp_path))))
+
+
+def test_a_safetensors_header_too_large_to_be_a_checkpoints_is_refused_unparsed(tmp_path):
+    import struct
+    from zerotrain.checkpoint.stfile import MAX_HEADER_BYTES, Reader
+    (tmp_path / "rank00000.safetensors").write_bytes(
+        struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{" + b" " * 64)
+    with Reader(str(tmp_path)) as reader:
+        with pytest.raises(CheckpointError, match="declares a header of"):
+            reader.handle("rank00000.safetensors")

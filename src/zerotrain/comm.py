@@ -138,6 +138,19 @@ def select_device(backends: Mapping[str, str]) -> torch.device:
     return torch.device("cuda", index)
 
 
+def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[datetime.timedelta]:
+    """The timeout ``group``'s backend runs with (default: the default group's), or None when
+    torch does not say; subgroups are made with it, so they keep ``comms_timeout`` (torch
+    would give them its 30-minute default)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cuda", "cpu"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
 def set_group_timeout(timeout: datetime.timedelta,
                       group: Optional[dist.ProcessGroup] = None) -> None:
     """Give an existing group (default: the default group) ``timeout`` for its collectives.
@@ -267,7 +280,8 @@ class Communicator:
         group_of(key[1], dist.get_rank())   # raises if the partition misses this rank
         group = _SUBGROUPS.get(key)
         if group is None:
-            group, _ = dist.new_subgroups_by_enumeration([list(r) for r in key[1]])
+            group, _ = dist.new_subgroups_by_enumeration([list(r) for r in key[1]],
+                                                         timeout=group_timeout())
             _SUBGROUPS[key] = group
         return Communicator(group, debug=self.debug, topology=self.topology,
                             ledger=self.ledger)

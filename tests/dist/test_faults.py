@@ -341,3 +341,20 @@ def test_auto_resume_falls_back_to_the_newest_complete_tag_and_never_starts_over
         assert isinstance(out["all_broken"], str) and "does not start over" in out[
             "all_broken"] and "module.safetensors" in out["all_broken"], out
         assert out["nothing"] == 0, out            # no checkpoint at all: a fresh start
+
+
+def _subgroup_timeout_job(rank, world):
+    from zerotrain.comm import group_timeout, set_group_timeout
+    before = group_timeout()
+    try:
+        engine, _ = _engine(R.engine_config(stage=1, comms_timeout=7))
+        sub = engine.comm.subgroup(((0,), (1,)))
+        return [group_timeout().total_seconds(), group_timeout(sub.group).total_seconds()]
+    finally:   # the pool's group serves later tests: give it its own timeout back
+        set_group_timeout(before)
+        set_group_timeout(before, sub.group)
+
+
+def test_subgroups_keep_the_configured_comms_timeout(worlds):
+    for timeouts in worlds.run(2, _subgroup_timeout_job):
+        assert timeouts == [7.0, 7.0], timeouts

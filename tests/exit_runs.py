@@ -1,6 +1,7 @@
 """Start many 2-rank gloo jobs that train and then exit normally; count the exits that abort.
 
     python tests/exit_runs.py OUT.json [--runs 100] [--deadline 60] [--no-teardown]
+                              [--end-in-backward]
 
 Each run forks two ranks from this already-imported process (so a run costs the gloo
 rendezvous, two training steps and the exit, not two interpreter start-ups). A rank trains
@@ -29,8 +30,10 @@ import zerotrain  # noqa: E402
 from zerotrain import teardown  # noqa: E402
 
 
-def _rank(rank: int, store_path: str, cost_path: str, use_teardown: bool) -> None:
-    """One rank of one run: train two steps at stage 2, then return to exit normally."""
+def _rank(rank: int, store_path: str, cost_path: str, use_teardown: bool,
+          end_in_backward: bool) -> None:
+    """One rank of one run: train two steps at stage 2 (and with ``end_in_backward`` a last
+    backward, whose reduction is issued from autograd), then return to exit normally."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
@@ -42,6 +45,8 @@ def _rank(rank: int, store_path: str, cost_path: str, use_teardown: bool) -> Non
     for step in range(2):
         engine.backward(engine(*R.micro_batch(step, rank, 0)))
         engine.step()
+    if end_in_backward:
+        engine.backward(engine(*R.micro_batch(2, rank, 0)))
 
 
 def _timed_teardown(cost_path: str) -> None:
@@ -57,6 +62,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--deadline", type=float, default=60.0)
     parser.add_argument("--no-teardown", action="store_true")
+    parser.add_argument("--end-in-backward", action="store_true")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="zt-exit-")
     aborted, failed, costs, runs = 0, 0, [], 0
@@ -67,7 +73,7 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 _rank(rank, f"{work}/store{runs}", f"{work}/cost{runs}-{rank}",
-                      not args.no_teardown)
+                      not args.no_teardown, args.end_in_backward)
                 sys.exit(0)   # a normal exit: atexit handlers, then interpreter finalization
             pids.append(pid)
         for rank, pid in enumerate(pids):

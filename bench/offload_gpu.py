@@ -32,7 +32,7 @@ with an untied head):
 - ``zt_z2_cpu``: built directly on the device in bf16 (zerotrain casts to bf16 anyway), then
   stage 2 with ``offload_optimizer: {device: cpu, pin_memory: true}``.
 - ``zt_z3_cpu``: built on the CPU in bf16 under ``zerotrain.zero.Init(remote_device="cpu",
-  pin_memory=True)``, so each module is partitioned as it is constructed and the full model
+  pin_memory=True)`` (pinned only where CUDA is there), so each module is partitioned as it is constructed and the full model
   never exists twice; stage 3 with ``offload_param`` and ``offload_optimizer`` to the CPU.
 - ``zt_z2_nvme`` (only with --nvme-path): as ``zt_z2_cpu`` with ``offload_optimizer:
   {device: nvme, nvme_path: ...}``.
@@ -187,7 +187,7 @@ def build_zerotrain(case: str, args, device):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if case == "zt_z3_cpu":  # partitioned module by module, on the host, in bf16
-            with zerotrain.zero.Init(remote_device="cpu", pin_memory=True,
+            with zerotrain.zero.Init(remote_device="cpu", pin_memory=device.type == "cuda",
                                      config_dict_or_path=config), default_dtype(torch.bfloat16):
                 model = new_gpt(args)
         else:

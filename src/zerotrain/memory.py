@@ -12,6 +12,7 @@ import resource
 from typing import Iterable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +20,18 @@ logger = logging.getLogger(__name__)
 def _storage_key(t: torch.Tensor) -> tuple:
     storage = t.untyped_storage()
     return (t.device.type, t.device.index, storage.data_ptr())
+
+
+def _holds_memory(t: torch.Tensor) -> bool:
+    """False for tensors without real storage: meta tensors, and the fake or functional
+    tensors torch.compile leaves reachable from its caches (they have no data pointer)."""
+    if t.device.type == "meta" or is_fake(t):
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 class StorageLedger:
@@ -31,7 +44,7 @@ class StorageLedger:
     def add(self, category: str, tensors: Iterable[Optional[torch.Tensor]]) -> None:
         total = self.bytes.setdefault(category, 0)
         for t in tensors:
-            if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if t is None or not isinstance(t, torch.Tensor) or not _holds_memory(t):
                 continue
             key = _storage_key(t)
             if key in self._seen or t.untyped_storage().nbytes() == 0:
@@ -47,7 +60,7 @@ def live_storages(device: Optional[torch.device] = None) -> dict[tuple, int]:
     for obj in gc.get_objects():
         # type() rather than isinstance(): no __class__ lookup on proxies and lazy modules
         if issubclass(type(obj), torch.Tensor) and (device is None or obj.device == device):
-            if obj.device.type != "meta":
+            if _holds_memory(obj):
                 found.setdefault(_storage_key(obj), obj.untyped_storage().nbytes())
     return found
 

@@ -573,10 +573,18 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
                "gradient_accumulation_steps")
 
 
+MAX_BATCH = 2 ** 31 - 1   # a DataLoader batch size is a C int; larger is a typo, not a batch
+
+
 def _batch_value(data: Dict[str, Any], key: str) -> Optional[int]:
     value = data.get(key)  # null counts as not set, as in DeepSpeed
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(key, f"expected an integer >= 1, got {value!r}", value=value)
+    if value is not None and value > MAX_BATCH:
+        # str() of a number this long raises (Python's 4300-digit limit): describe it instead
+        shown = (f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
+                 if value > 10 ** 30 else str(value))
+        raise ConfigError(key, f"expected an integer <= {MAX_BATCH}, got {shown}")
     return value
 
 

@@ -25,6 +25,16 @@ def test_a_config_nested_too_deep_or_with_huge_numbers_is_a_config_error(tmp_pat
             load_config(config, world_size=1)
 
 
+def test_a_huge_batch_size_given_as_a_python_number_is_named():
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps"):
+        config = {"train_batch_size": 8, key: 10 ** 5000}
+        with pytest.raises(ConfigError, match=f"{key}.*about 500[01] digits"):
+            load_config(config, world_size=1)
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        load_config({"train_batch_size": 2 ** 31}, world_size=1)
+
+
 def test_an_infinite_comms_timeout_is_named_before_the_group_exists():
     from zerotrain.initialize import _comms_timeout
     with pytest.raises(ConfigError, match="comms_timeout"):

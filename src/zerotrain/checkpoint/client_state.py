@@ -20,13 +20,12 @@ Note: tagged values
 from __future__ import annotations
 
 import argparse
-import numbers
 import os
 from typing import Any, Callable, Optional
 
 import torch
 
-from .manifest import CheckpointError, safe_file
+from .manifest import NOT_SCALAR, CheckpointError, check_json_key, json_scalar, safe_file
 from .stfile import DTYPE_NAMES, Reader, specs_of, write_file
 
 FILE = "client_state.safetensors"
@@ -43,18 +42,13 @@ def encode(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, numbers.Integral):   # numpy integers too
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
+    scalar = json_scalar(value)
+    if scalar is not NOT_SCALAR:
+        return scalar
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            if not isinstance(key, str):
-                raise CheckpointError(f"{path} has the non-string key {key!r}; checkpoint "
-                                      "state is JSON, whose object keys are strings")
+            check_json_key(key, path)
             if key == TAG:
                 raise CheckpointError(f"{path} uses the key {TAG!r}, which zerotrain "
                                       "reserves for tensors and tuples; rename it")

@@ -44,6 +44,27 @@ class CheckpointError(ZeroTrainError, RuntimeError):
 
 
 # --------------------------------------------------------------------------- JSON values
+NOT_SCALAR = object()   # json_scalar's answer for containers and everything else
+
+
+def json_scalar(value: Any) -> Any:
+    """``value`` as a JSON scalar (numpy numbers become Python ones), or ``NOT_SCALAR``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):   # numpy integers too
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return NOT_SCALAR
+
+
+def check_json_key(key: Any, path: str) -> None:
+    """JSON object keys are strings: anything else is refused, naming where it stands."""
+    if not isinstance(key, str):
+        raise CheckpointError(f"{path} has the non-string key {key!r}; checkpoint "
+                              "state is JSON, whose object keys are strings")
+
+
 def to_json(value: Any, path: str, *, tensors_as_numbers: bool = False) -> Any:
     """A JSON-able copy of ``value`` (tuples become lists), or CheckpointError naming the
     first offending key path, e.g. ``client_state['opt'][2]``.
@@ -51,18 +72,13 @@ def to_json(value: Any, path: str, *, tensors_as_numbers: bool = False) -> Any:
     With ``tensors_as_numbers`` a tensor becomes its ``tolist()`` (for optimizer
     hyperparameters such as a tensor ``lr``); otherwise tensors are rejected.
     """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, numbers.Integral):   # numpy integers too
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
+    scalar = json_scalar(value)
+    if scalar is not NOT_SCALAR:
+        return scalar
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            if not isinstance(key, str):
-                raise CheckpointError(f"{path} has the non-string key {key!r}; checkpoint "
-                                      "state is JSON, whose object keys are strings")
+            check_json_key(key, path)
             out[key] = to_json(item, f"{path}[{key!r}]", tensors_as_numbers=tensors_as_numbers)
         return out
     if isinstance(value, (list, tuple)):

@@ -1,6 +1,6 @@
 """Device selection and the collective device check, decided without a GPU: the CUDA and
 torch.distributed queries are replaced by fakes, so the decisions a CUDA machine would take
-are checked on CPU (tests/test_cuda.py repeats them on a GPU when there is one)."""
+are checked on CPU (tests/gpu/test_cuda.py repeats them on a GPU when there is one)."""
 import importlib
 
 import pytest

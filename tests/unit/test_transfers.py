@@ -1,5 +1,5 @@
 """Host <-> device copies on CPU: the values and the ledger a GPU run would produce (the
-streams themselves are exercised by tests/test_cuda.py)."""
+streams themselves are exercised by tests/gpu/test_cuda.py)."""
 import torch
 
 from zerotrain.offload import DeviceStorage, HostStorage, Transfers

@@ -5,7 +5,7 @@ streams; and the copy ledger counts 2 bytes per shard element each way at stage 
 
 Skipped without CUDA (CI has none; tests/unit/test_devices.py and
 tests/dist/test_offload_copies.py check the same decisions and counts on CPU). One process,
-world size 1; run with ``pytest -m gpu tests/test_cuda.py``.
+world size 1; run with ``pytest -m gpu tests/gpu``.
 """
 import os
 import subprocess
@@ -17,7 +17,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-HERE = os.path.dirname(os.path.abspath(__file__))
+# tests/: where reference.py lives for the child scripts
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch

@@ -36,7 +36,7 @@ from .hierarchical import build_groups
 from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
 from .unit import GroupSlice, Unit
-from .units import build_units
+from .unit_specs import build_units
 
 
 class PartitionedDataParallel(BucketedStage):

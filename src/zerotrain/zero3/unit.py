@@ -43,7 +43,7 @@ from ..flat import FlatLayout
 from ..offload import Storage
 from ..precision import PrecisionPolicy
 from . import partition as P
-from .units import UnitSpec
+from .unit_specs import UnitSpec
 from .wire import NO_BUCKET_LIMIT, UnitWire, gather_rows_into
 
 

@@ -1,4 +1,4 @@
-"""Which parameters are gathered together: the module tree cut into units.
+"""Unit specs: which parameters are gathered together, the module tree cut into units.
 
 Note: units
     One all-gather serves a unit: every child of an ``nn.ModuleList`` (a transformer block),

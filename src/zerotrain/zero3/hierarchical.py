@@ -46,7 +46,7 @@ def build_groups(comm: Communicator, zero_config) -> Zero3Groups:
         shard = comm.subgroup(blocks)
         reduce_scatter = ReplicatedReduceScatter(shard, comm.subgroup(
             topology.replicas_of(blocks)))
-    if zero_config.zero_quantized_gradients:   # not with MiCS (config.py refuses it)
+    if zero_config.zero_quantized_gradients:   # not with MiCS (config/checks.py refuses it)
         _require_uniform(topology, "zero_optimization.zero_quantized_gradients")
         reduce_scatter = QuantizedHierarchicalReduceScatter(
             comm, comm.subgroup(topology.node_groups()),

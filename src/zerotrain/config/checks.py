@@ -1,0 +1,65 @@
+"""Checks that involve more than one key, made once each key is valid on its own.
+
+Pydantic validates one field at a time; what two keys mean together (fp16 and bf16, ZeRO++
+sizes and the world size) is checked here, after the whole file has been validated.
+"""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .schema import ZeroTrainConfig
+from .sections import TORCH_COMPILE_KWARGS
+from .walk import _unknown_key, _Walk
+from .zero import ZeroConfig
+
+
+def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
+    """Checks that involve two keys, made once each key is valid on its own."""
+    if result.fp16.enabled and result.bf16.enabled:
+        bf16 = walk.user_path("bf16.enabled")
+        raise ConfigError("fp16.enabled", f"fp16.enabled and {bf16} are both true; "
+                                          "enable at most one of them", value=True)
+    for key in result.compile.kwargs:
+        if key not in TORCH_COMPILE_KWARGS:
+            raise _unknown_key(key, walk.user_path(f"compile.kwargs.{key}"),
+                               list(TORCH_COMPILE_KWARGS), [])
+    for name in ("offload_optimizer", "offload_param"):
+        offload = getattr(result.zero_optimization, name)
+        if offload is not None and offload.device == "nvme" and not offload.nvme_path:
+            raise ConfigError(f"zero_optimization.{name}.nvme_path",
+                              'is required when device is "nvme"')
+
+
+_STAGE3_ONLY = ("zero_hpz_partition_size", "zero_quantized_weights",
+                "zero_quantized_gradients", "mics_shard_size")
+
+
+def _check_hierarchical(zero: ZeroConfig, world_size: int) -> None:
+    """ZeRO++ and MiCS keys: stage 3 only, group sizes that divide the world. Whether a
+    group fits in a node is checked once the nodes are known (``zero3.hierarchical.
+    build_groups``, when ``factory.build_stage`` builds stage 3)."""
+    hpz, mics = zero.zero_hpz_partition_size, zero.mics_shard_size
+    active = {"zero_hpz_partition_size": hpz > 1, "zero_quantized_weights":
+              zero.zero_quantized_weights, "zero_quantized_gradients":
+              zero.zero_quantized_gradients, "mics_shard_size": mics != -1}
+    for key in _STAGE3_ONLY:
+        if active[key] and zero.stage != 3:
+            raise ConfigError(f"zero_optimization.{key}", "applies to ZeRO stage 3 (partitioned "
+                              f"parameters), but zero_optimization.stage is {zero.stage}",
+                              value=getattr(zero, key), suggestion="set stage to 3 or remove it")
+    if mics == 0:
+        raise ConfigError("zero_optimization.mics_shard_size", "must be a positive number of "
+                          "ranks, or -1 to turn MiCS off", value=0)
+    for key, size in (("zero_hpz_partition_size", hpz), ("mics_shard_size", mics)):
+        if size > 1 and world_size % size:
+            raise ConfigError(f"zero_optimization.{key}", f"{size} does not divide the world "
+                              f"size {world_size}", value=size,
+                              suggestion="use a divisor of the world size, usually the ranks "
+                                         "per node")
+    if zero.zero_quantized_gradients and mics not in (-1, world_size):
+        raise ConfigError("zero_optimization.zero_quantized_gradients", "quantized gradients "
+                          "reduce over the whole world through the nodes; they are not "
+                          "supported together with mics_shard_size", value=True)
+    if hpz > 1 and mics != -1:
+        raise ConfigError("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS "
+                          "(mics_shard_size) both reshape the stage-3 partition; choose one",
+                          value=hpz)

@@ -1,0 +1,85 @@
+"""DeepSpeed's keys that the schema does not hold: the ones accepted and ignored, and the
+other spellings of keys it does hold.
+
+These are tables, not models, so the reader can tell a real-but-unimplemented DeepSpeed key
+from a typo; implementing a key means moving it from here into a section.
+
+Note: why unknown keys error but DeepSpeed-only keys warn
+    A misspelt key (``zero_optimisation``) silently falls back to the default, and the run
+    trains with a configuration nobody asked for; so a key that neither zerotrain nor DeepSpeed
+    knows is an error, with the closest valid key as a hint. A real DeepSpeed key that
+    zerotrain has not implemented (``flops_profiler``) is different: the file is
+    valid, it was written for DeepSpeed, and refusing it would make sharing configs between
+    the two impossible. Those keys are accepted, dropped, and named in one
+    ``ZeroTrainConfigWarning`` per load, so the gap is visible without being fatal. They all
+    live in ``UNIMPLEMENTED_KEYS``; implementing one means moving it into a model.
+"""
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, List
+
+
+class ZeroTrainConfigWarning(UserWarning):
+    """A config key DeepSpeed knows but zerotrain ignores; the run differs from DeepSpeed's."""
+
+
+# DeepSpeed keys zerotrain accepts but ignores, by section (dotted path, "" = top level).
+_UNIMPLEMENTED_NAMES = {
+    "": """aio amp autotuning comet comms_logger
+        compression_training csv_monitor curriculum_learning
+        data_efficiency dataloader_drop_last disable_allgather disable_python_gc dump_state
+        eigenvalue elasticity expert_parallel flops_profiler gradient_allreduce_op
+        gradient_predivide_factor graph_harvesting hybrid_engine log_level
+        managed_gradient_accumulation memory_breakdown nebula pipeline prescale_gradients
+        progressive_layer_drop quantize_training seq_parallel_comm_data_type
+        sequence_parallel_size sparse_attention sparse_gradients tensor_parallel tensorboard
+        timers torch_autocast use_data_before_expert_parallelism vocabulary_size wandb
+        weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer""",
+    # DeepSpeed takes both the stage3_ alias and the bare field name of its stage-3 options.
+    "zero_optimization": """cpu_offload cpu_offload_param cpu_offload_params
+        cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks
+        ignore_unused_parameters leaf_module legacy_stage1 load_from_fp32_weights
+        log_trace_cache_warnings memory_efficient_linear mics_hierarchical_params_gather
+        override_module_apply pipeline_loading_checkpoint round_robin_gradients
+        save_muon_momentum_buffer_in_memory use_multi_rank_bucket_allreduce zenflow
+        zero_quantized_nontrainable_weights zeropp_loco_param
+        stage3_model_persistence_threshold model_persistence_threshold
+        stage3_module_granularity_threshold module_granularity_threshold
+        stage3_use_all_reduce_for_fetch_params use_all_reduce_for_fetch_params
+        stage3_allgather_sequential allgather_sequential
+        stage3_partition_stream_chunk_size partition_stream_chunk_size""",
+    "zero_optimization.offload_optimizer": """pipeline_read pipeline_write super_offload
+        convert_grad_on_cpu cpuadam_cores_perc""",
+    "fp16": "fused_mode",
+    "bf16": """immediate_grad_update check_grad_overflow bf16_master_weights_and_grads
+        bf16_optimizer_states""",
+    "data_types": "param_dtype buffer_dtype",
+    "optimizer": "legacy_fusion",
+    "optimizer.params": "max_grad_norm",  # DeepSpeed ignores it too, pointing to gradient_clipping
+    # DeepSpeed's DeepCompile options (graph passes zerotrain does not have)
+    "compile": """deepcompile free_activation offload_activation offload_opt_states
+        double_buffer symmetric_memory dump_graphs debug_log offload_parameters
+        sync_before_reduce sync_after_reduce sync_before_allgather sync_after_allgather
+        keep_int_input_tensors keep_all_input_tensors""",
+    "checkpoint": "tag_validation load_universal use_node_local_storage parallel_write writer",
+}
+UNIMPLEMENTED_KEYS: Dict[str, FrozenSet[str]] = {
+    section: frozenset(names.split()) for section, names in _UNIMPLEMENTED_NAMES.items()}
+
+# Other spellings DeepSpeed accepts for a key, by section: alias -> the key the models use.
+_KEY_ALIASES: Dict[str, Dict[str, str]] = {
+    "": {"bfloat16": "bf16"},
+    "zero_optimization": {
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    },
+}
+
+
+def unimplemented_message(keys: List[str]) -> str:
+    return ("zerotrain accepts but does not implement these DeepSpeed config keys, so they "
+            "have no effect: " + ", ".join(keys))

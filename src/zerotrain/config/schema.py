@@ -1,0 +1,72 @@
+"""``ZeroTrainConfig``: the whole validated file, what every component is handed.
+
+Only the top-level keys and the derived views (precision, reduction dtype) live here; the
+sections are in ``zero.py`` and ``sections.py``, and ``reader.load_config`` builds it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional
+
+from pydantic import Field, PrivateAttr
+
+from .fields import NonNegative, PrecisionName, _Section
+from .sections import (ActivationCheckpointingConfig, BF16Config, CheckpointConfig,
+                       CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig,
+                       SchedulerConfig)
+from .zero import ZeroConfig
+
+
+class ZeroTrainConfig(_Section):
+    """The whole validated config; build it with ``load_config``, which resolves the batch sizes."""
+
+    train_batch_size: int = Field(ge=1)
+    train_micro_batch_size_per_gpu: int = Field(ge=1)
+    gradient_accumulation_steps: int = Field(ge=1)
+    gradient_clipping: NonNegative = 0.0
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    steps_per_print: int = Field(10, ge=1)
+    wall_clock_breakdown: bool = False
+    communication_data_type: Optional[PrecisionName] = None   # gradient reductions
+    # zerotrain's own keys (not DeepSpeed's)
+    comms_timeout: float = Field(1800.0, gt=0, le=31_536_000, allow_inf_nan=False)  # s
+    nonfinite: Literal["raise", "skip"] = "raise"  # bf16/fp32 inf/nan gradients
+    debug: bool = False                            # name collectives and units in errors
+
+    _raw: Dict[str, Any] = PrivateAttr(default_factory=dict)
+    _unimplemented: List[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def precision(self) -> PrecisionName:
+        if self.fp16.enabled:
+            return "fp16"
+        return "bf16" if self.bf16.enabled else "fp32"
+
+    @property
+    def comm_dtype(self) -> PrecisionName:
+        """The gradient reductions' dtype: the gradients' own (the parameter dtype) unless
+        ``communication_data_type`` is set, as in DeepSpeed."""
+        return self.communication_data_type or self.precision
+
+    @property
+    def grad_accum_dtype(self) -> PrecisionName:
+        """fp32 unless set: accumulating many micro-batches in 16 bits loses small gradients."""
+        return self.data_types.grad_accum_dtype or "fp32"
+
+    @property
+    def raw(self) -> Dict[str, Any]:
+        """A deep copy of the user's config, for features that read keys the models lack."""
+        return self._raw
+
+    @property
+    def unimplemented_keys(self) -> List[str]:
+        """Dotted paths of the DeepSpeed keys that were accepted but have no effect."""
+        return list(self._unimplemented)

@@ -1,0 +1,121 @@
+"""The smaller sections: precision, optimizer and scheduler, checkpoints, activation
+checkpointing and compile.
+
+Each mirrors one DeepSpeed JSON section with DeepSpeed's keys and defaults, so an existing
+``ds_config.json`` loads unchanged; the whole file is ``schema.ZeroTrainConfig``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Dict, List, Literal, Optional, Type
+
+from pydantic import Field
+
+from .fields import NonNegative, PrecisionName, Size, _Section
+
+
+class CheckpointConfig(_Section):
+    """``auto_resume``: a save directory; when it holds a ``latest`` tag, ``initialize`` loads
+    it, so a job restarted by torchrun continues where the last complete save left off."""
+
+    auto_resume: Optional[str] = None
+
+
+class FP16Config(_Section):
+    enabled: bool = False
+    loss_scale: NonNegative = 0.0  # 0 means dynamic loss scaling
+    initial_scale_power: int = Field(16, ge=0)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0)
+    auto_cast: bool = False
+    fp16_master_weights_and_grads: bool = False
+
+
+class BF16Config(_Section):
+    enabled: bool = False
+
+
+class DataTypesConfig(_Section):
+    grad_accum_dtype: Optional[PrecisionName] = None
+
+
+class AdamParams(_Section):
+    """Keys allowed in ``optimizer.params`` for Adam and AdamW; unset keys keep torch's default."""
+
+    lr: Optional[NonNegative] = None
+    betas: Optional[List[Annotated[float, Field(ge=0, lt=1)]]] = Field(
+        None, min_length=2, max_length=2)
+    eps: Optional[NonNegative] = None
+    weight_decay: Optional[NonNegative] = None
+    amsgrad: Optional[bool] = None
+    adam_w_mode: Optional[bool] = None
+    bias_correction: Optional[bool] = None
+    torch_adam: Optional[bool] = None
+    fused: Optional[bool] = None
+    foreach: Optional[bool] = None
+
+
+class SGDParams(_Section):
+    """Keys allowed in ``optimizer.params`` for SGD; unset keys keep torch's default."""
+
+    lr: Optional[NonNegative] = None
+    momentum: Optional[NonNegative] = None
+    dampening: Optional[NonNegative] = None
+    weight_decay: Optional[NonNegative] = None
+    nesterov: Optional[bool] = None
+
+
+OPTIMIZER_PARAMS: Dict[str, Type[_Section]] = {
+    "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+class OptimizerConfig(_Section):
+    """``params`` holds only the keys the user set, validated, with ``betas`` as a tuple."""
+
+    type: Literal["Adam", "AdamW", "SGD"]
+    params: Dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(_Section):
+    """``params`` is stored as given; the scheduler module validates its keys."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    params: Dict[str, Any] = Field(default_factory=dict)
+
+
+class ActivationCheckpointingConfig(_Section):
+    """DeepSpeed's ``activation_checkpointing`` section, used by ``zerotrain.checkpointing``.
+
+    ``cpu_checkpointing`` keeps checkpointed inputs in host memory; ``synchronize_checkpoint_
+    boundary`` synchronizes CUDA around each checkpointed segment; ``profile`` logs each
+    segment's forward and recomputation time at DEBUG. ``partition_activations`` and
+    ``contiguous_memory_optimization`` (with ``number_checkpoints`` buffers) only act across
+    a model-parallel group; in data-parallel training they change nothing (Note "options
+    that need model parallelism" in ``checkpointing.py``).
+    """
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: Optional[Size] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+TORCH_COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options", "disable")
+
+
+class CompileConfig(_Section):
+    """``torch.compile`` of the model by the engine (``docs/compile.md``).
+
+    ``enabled``: ``initialize`` calls ``engine.compile`` with ``backend`` and ``kwargs``
+    (any of ``TORCH_COMPILE_KWARGS``); ``fallback``: null (a block that fails to compile
+    raises an error naming it and the backend) or "eager" (such a block runs eagerly).
+    """
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: Dict[str, Any] = Field(default_factory=dict)
+    fallback: Optional[Literal["eager"]] = None

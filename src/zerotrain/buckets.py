@@ -44,9 +44,27 @@ Note: releasing buckets
     hook that completes the block); so backward holds at most the blocks still filling
     plus ``MAX_IN_FLIGHT`` in flight, never the whole gradient. Stages 0 and 1 keep their
     full accumulation buffer by design.
+
+Note: bucket phases
+    A :class:`GradientBuckets` is in one :class:`BucketPhase` at a time::
+
+        IDLE --begin--> ACCUMULATING --finish--> IDLE      (a micro-step that only sums)
+        IDLE --begin--> REDUCING --finish--> IDLE          (reduced during backward)
+                        REDUCING --finish--> DEFERRED --collect--> IDLE
+
+    ``begin`` (the first gradient of a backward) picks ACCUMULATING or REDUCING from
+    ``reduces_on(boundary)``; ``finish`` (the end of backward) launches what is left of a
+    reducing micro-step or, for stages 0 and 1 without ``overlap_comm``, leaves the
+    boundary's reductions DEFERRED until the optimizer step calls ``collect``. A new
+    backward while DEFERRED is an error: the step has not consumed the boundary's
+    gradients. ``_TRANSITIONS`` lists the legal moves and ``_move`` checks each one.
+    Whether a stage-2 shard sum already holds a reduction in this accumulation window is
+    not a phase: it is ``_reductions`` (micro-steps reduced into the shards since
+    ``clear``), which only ``finish`` and ``clear`` change.
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
 from typing import Callable, Optional, Sequence
 
@@ -58,6 +76,23 @@ from .flat import Block, FlatLayout
 
 # In-flight asynchronous reductions before the oldest is waited for (bounds staging memory).
 MAX_IN_FLIGHT = 2
+
+
+class BucketPhase(enum.Enum):
+    """Where the buckets are in a micro-step (Note: bucket phases)."""
+
+    IDLE = "idle"                  # no backward under way; nothing deferred
+    ACCUMULATING = "accumulating"  # a backward is under way; its gradients are only summed
+    REDUCING = "reducing"          # a backward is under way; its blocks are reduced now
+    DEFERRED = "deferred"          # backward ended; the boundary's reductions wait for collect
+
+
+_TRANSITIONS: dict[BucketPhase, frozenset[BucketPhase]] = {
+    BucketPhase.IDLE: frozenset({BucketPhase.ACCUMULATING, BucketPhase.REDUCING}),
+    BucketPhase.ACCUMULATING: frozenset({BucketPhase.IDLE}),
+    BucketPhase.REDUCING: frozenset({BucketPhase.IDLE, BucketPhase.DEFERRED}),
+    BucketPhase.DEFERRED: frozenset({BucketPhase.IDLE}),
+}
 
 
 class GradientBuckets:
@@ -87,9 +122,7 @@ class GradientBuckets:
         self._arrived = [[set() for _ in lay.blocks] for lay in self.layouts]
         self._launched = [[False] * len(lay.blocks) for lay in self.layouts]
         self._next = 0
-        self._reducing = False          # this micro-step's blocks are reduced now
-        self._active = False            # a micro-step's backward is under way
-        self._deferred = False          # the boundary's reductions wait for collect()
+        self.phase = BucketPhase.IDLE   # Note: bucket phases
         self._at_boundary = False       # this micro-step ends the accumulation window
         self._pending: deque = deque()  # (work, on_done) of asynchronous reductions
         self._reductions = 0            # micro-steps reduced into the shards this window
@@ -115,7 +148,7 @@ class GradientBuckets:
         communication dtype while the shard holds a single reduction (Note: communication
         dtype), else the shard's own."""
         shard = self.reduced_shard(g)
-        reductions = self._reductions + (1 if self._active and self._reducing else 0)
+        reductions = self._reductions + (1 if self.phase is BucketPhase.REDUCING else 0)
         if (reductions == 1 and self.comm_dtype.itemsize < shard.dtype.itemsize
                 and self.comm_dtype.is_floating_point):
             return self.comm_dtype
@@ -132,14 +165,14 @@ class GradientBuckets:
     # ------------------------------------------------------------ the machinery
     def begin(self, boundary: bool) -> None:
         """Start a micro-step's backward (called implicitly by the first gradient)."""
-        if self._active:
+        if self.active:
             return
-        if self._deferred:
+        if self.phase is BucketPhase.DEFERRED:
             raise StateError("a new backward began before the optimizer step consumed the "
                              "accumulation boundary's gradients; call engine.step()")
-        self._active = True
+        self._move(BucketPhase.REDUCING if self.reduces_on(boundary)
+                   else BucketPhase.ACCUMULATING)
         self._at_boundary = boundary
-        self._reducing = self.reduces_on(boundary)
         self._next = 0
         for arrived, launched in zip(self._arrived, self._launched):
             for s in arrived:
@@ -156,26 +189,33 @@ class GradientBuckets:
                 "bucket was reduced in this backward; call engine.backward once per micro-step")
         self._accumulate(g, block, slot_index, grad)
         self._arrived[g][block.index].add(slot_index)
-        if self._reducing and (self.overlap or not self.defer_without_overlap):
+        if self.phase is BucketPhase.REDUCING and (self.overlap
+                                                   or not self.defer_without_overlap):
             self._launch_ready()   # Note: releasing buckets
 
     def finish(self) -> None:
-        """End the micro-step: launch what is left (in order) and wait for everything."""
-        if not self._active:
+        """End the micro-step: launch what is left (in order) and wait for everything, or
+        leave the boundary's reductions to :meth:`collect` (Note: bucket phases)."""
+        if not self.active:
             return
-        if self._reducing and self.defer_without_overlap and not self.overlap:
-            self._deferred = True
-        elif self._reducing:
-            self._launch_rest()
-        if self._reducing:
+        if self.phase is BucketPhase.ACCUMULATING:
+            self._move(BucketPhase.IDLE)
+            return
+        # REDUCING. _reductions grows after the launches: until then exact_dtype counts
+        # this micro-step through the phase.
+        if self.defer_without_overlap and not self.overlap:
             self._reductions += 1
-        self._active = False
+            self._move(BucketPhase.DEFERRED)
+            return
+        self._launch_rest()
+        self._reductions += 1
+        self._move(BucketPhase.IDLE)
 
     def collect(self) -> None:
         """Complete every reduction, including deferred ones; call before reading shards."""
         self.finish()
-        if self._deferred:
-            self._deferred = False
+        if self.phase is BucketPhase.DEFERRED:
+            self._move(BucketPhase.IDLE)
             self._launch_rest()
 
     def _launch_rest(self) -> None:
@@ -185,7 +225,16 @@ class GradientBuckets:
 
     @property
     def active(self) -> bool:
-        return self._active
+        """Whether a micro-step's backward is under way."""
+        return self.phase in (BucketPhase.ACCUMULATING, BucketPhase.REDUCING)
+
+    def _move(self, to: BucketPhase) -> None:
+        """Enter phase ``to``; raises StateError unless ``_TRANSITIONS`` allows the move."""
+        if to not in _TRANSITIONS[self.phase]:
+            came_from = [p.value for p, nxt in _TRANSITIONS.items() if to in nxt]
+            raise StateError(f"gradient buckets are {self.phase.value}, expected "
+                             f"{' or '.join(came_from)} to become {to.value}")
+        self.phase = to
 
     def _launch_ready(self) -> None:
         while self._next < len(self.order):
@@ -321,7 +370,6 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         super().__init__(*args, **kwargs)
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._shard: list[Optional[torch.Tensor]] = [None] * len(self.layouts)
-        self._fresh = True  # the shard holds nothing yet in this accumulation window
 
     def reduces_on(self, boundary: bool) -> bool:
         return True
@@ -347,12 +395,12 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         target = self._shard[g][block.shard_offset: block.shard_offset + block.chunk]
         staging = self._staging_of(g, block)
         key = (g, block.index)
-        direct = self._fresh and target.dtype == staging.dtype
+        fresh = self._reductions == 0   # the shard holds nothing yet in this window
+        direct = fresh and target.dtype == staging.dtype
         out = target if direct else torch.empty(target.shape, dtype=staging.dtype,
                                                 device=target.device)
         work = self.reduce_scatter(out, staging, async_op=self.overlap,
                                         label=f"gradient bucket {g}.{block.index}")
-        fresh = self._fresh
 
         def done() -> None:
             if not direct and fresh:
@@ -363,12 +411,6 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
             self._reduced(g, block)
         self._track(work, done)
 
-    def finish(self) -> None:
-        was_active = self.active
-        super().finish()
-        if was_active:
-            self._fresh = False
-
     def reduced_shard(self, g: int) -> torch.Tensor:
         if self._shard[g] is None:
             raise StateError("no reduced gradient: step() before any backward")
@@ -377,7 +419,6 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
     def clear(self) -> None:
         """After the step the shard sum is consumed: free it (the next backward allocates
         it again), so between steps a rank holds no gradient at all."""
-        self._fresh = True
         self._shard = [None] * len(self.layouts)
         self._reductions = 0
 

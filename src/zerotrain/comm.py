@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import teardown
+from .errors import CollectiveError  # defined there; importable from here too
 from .topology import Partition, Topology, group_of, local_node_entry
 
 logger = logging.getLogger(__name__)
@@ -390,10 +391,6 @@ class Communicator:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names it, its shape and its purpose."""
 
 
 class _DescribedWork:

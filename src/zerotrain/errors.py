@@ -44,3 +44,11 @@ class NonFiniteGradientError(ZeroTrainError, FloatingPointError):
 
 class CompileError(ZeroTrainError, RuntimeError):
     """``torch.compile`` failed on a module; the message names the module and the backend."""
+
+
+class CollectiveError(ZeroTrainError, RuntimeError):
+    """A collective failed or timed out; the message names it, its shape and its purpose."""
+
+
+class CheckpointError(ZeroTrainError, RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file, key or parameter."""

@@ -19,7 +19,7 @@ import numbers
 import os
 from typing import Any
 
-from ..errors import ZeroTrainError
+from ..errors import CheckpointError  # defined there; importable from here too
 
 FORMAT = "zerotrain.checkpoint"
 VERSION = 1
@@ -37,10 +37,6 @@ _RECORD_REQUIRED = {"key": str, "group_index": int, "names": list, "shapes": lis
                     "dtype": str, "state_tensors": list, "state_scalars": dict}
 
 _ENTRY_REQUIRED = {"name": str, "key": str, "shape": list, "dtype": str}
-
-
-class CheckpointError(ZeroTrainError, RuntimeError):
-    """A checkpoint cannot be written or read; the message names the file, key or parameter."""
 
 
 # --------------------------------------------------------------------------- JSON values

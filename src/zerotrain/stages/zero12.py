@@ -1,6 +1,6 @@
 """ZeRO stages 0, 1 and 2: replicated parameters, sharded optimizer (and gradients).
 
-The three stages differ in two choices, both made by ``stages.build_stage``:
+The three stages differ in two choices, both made by ``factory.build_stage``:
 
 * the shard world: 1 for stage 0 (every rank steps the whole group, as DDP does), the data
   parallel world for stages 1 and 2 (each rank steps ``1/N`` of every group);

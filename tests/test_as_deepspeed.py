@@ -38,6 +38,7 @@ def _ddp_job(rank: int, world: int, steps: int) -> dict:
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
+@pytest.mark.slow
 def test_unmodified_deepspeed_script_matches_ddp_at_stages_1_to_3(worlds, tmp_path):
     ddp_weights = worlds.run(2, _ddp_job, STEPS)[0]
     out_file = tmp_path / "out.json"
@@ -78,6 +79,7 @@ def _run_switch(script: str, tmp_path, extra_path: str = "") -> subprocess.Compl
                           capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow
 def test_switch_refuses_when_the_real_deepspeed_is_importable(tmp_path):
     fake = tmp_path / "site" / "deepspeed"
     fake.mkdir(parents=True)

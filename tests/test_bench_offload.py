@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_offload_bench_tiny_cpu_smoke_lists_every_case(tmp_path):
     rows_path = tmp_path / "rows.json"
     out = subprocess.run(

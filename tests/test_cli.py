@@ -13,6 +13,7 @@ from zerotrain.cli import main
 from zerotrain.config import load_config
 
 
+@pytest.mark.slow
 def test_estimate_prints_the_zero_table_through_the_installed_module():
     done = subprocess.run([sys.executable, "-m", "zerotrain.cli", "estimate", "--params", "7B",
                            "--gpus", "8"], capture_output=True, text=True, timeout=120)

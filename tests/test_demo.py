@@ -23,6 +23,7 @@ def _demo(out_dir, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=170)
 
 
+@pytest.mark.slow
 def test_short_demo_trains_on_two_processes_and_writes_its_report(tmp_path):
     """The default stage, 3."""
     out_dir = tmp_path / "demo"
@@ -59,6 +60,7 @@ def test_embedded_config_is_valid_for_every_stage(stage):
     assert config.zero_optimization.stage == stage and config.precision == "fp32"
 
 
+@pytest.mark.slow
 def test_bad_config_is_refused_before_any_process_starts(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimisation": {}}')

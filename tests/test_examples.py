@@ -8,6 +8,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["ds_config.json", "ds_config_offload.json"])
 def test_deepspeed_style_example_trains_under_zerotrain_launch(config):
     out = subprocess.run(

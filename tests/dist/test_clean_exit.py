@@ -20,6 +20,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_exit_teardown_keeps_the_scripts_exit_status():
     """Registered by init_distributed (new group) and on adoption; ``sys.exit(3)`` still
     exits 3, an uncaught exception still exits 1, and the teardown runs once."""

@@ -190,6 +190,7 @@ def test_ranks_with_different_models_fail_fast_naming_the_difference():
         assert "rank 1" in res["error"] and "hidden.weight" in res["error"], res
 
 
+@pytest.mark.slow
 def test_config_from_args_and_single_process_without_launcher(tmp_path):
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(R.engine_config(stage=2)))

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import warnings
 
+import pytest
+
 import reference as R
 
 
@@ -24,6 +26,7 @@ def _offload_device(zero, key):
     return zero.get(key, {}).get("device", "none")
 
 
+@pytest.mark.slow
 def test_written_config_trains_through_initialize(worlds, tmp_path):
     path = tmp_path / "ds_config.json"
     nvme_dir = tmp_path / "nvme"

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from multinode_helpers import STEPS, as_nodes, run_bytes, stage3_config
 
 HERE = os.path.dirname(os.path.dirname(__file__))
@@ -176,6 +178,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_form_two_nodes(tmp_path):
     """``torchrun --nnodes 2 --node_rank {0,1}`` with 2 processes each, on this machine:
     the nodes come from torchrun's environment; plain stage 3 crosses 3Ψ × 2 bytes, ZeRO++

@@ -7,6 +7,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 
 import reference as R
 
@@ -41,6 +42,7 @@ def test_memory_stays_flat_over_a_long_stage3_run(worlds):
         assert late["objects"] <= early["objects"] * 1.01, res
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_communicating_gives_a_named_error_on_every_rank(tmp_path):
     """Rank 1 skips a backward: rank 0 waits in a reduce-scatter that never completes."""
     script = tmp_path / "hang.py"
@@ -113,6 +115,7 @@ def _torchrun_training(tmp_path, name: str, kill: bool) -> tuple[str, dict]:
         return text, json.load(f)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarted_by_torchrun_resumes_without_losing_a_step(tmp_path):
     """SIGKILL one of 2 ranks mid-training under ``torchrun --max-restarts 1``: the job
     finishes from the last checkpoint with an uninterrupted run's parameters, bit for bit."""

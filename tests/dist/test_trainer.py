@@ -283,6 +283,7 @@ def test_auto_values_come_from_the_arguments_and_disagreements_name_both(tmp_pat
         ZeroTrainingArguments(output_dir=str(tmp_path), deepspeed={}, zerotrain={})
 
 
+@pytest.mark.slow
 def test_import_without_transformers_says_what_to_install():
     code = ("import sys; sys.modules['transformers'] = None; import zerotrain\n"
             "try:\n    import zerotrain.integrations.transformers\n"

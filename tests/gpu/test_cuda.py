@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 # tests/: where reference.py lives for the child scripts
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -312,6 +312,7 @@ def _rss_anon() -> int:
     raise OSError("no RssAnon")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
 def test_consolidate_streams_one_parameter_at_a_time(tmp_path):
     """A bf16-optimizer layout of 5 x 8 MiB parameters on 2 ranks: while the whole model is

@@ -30,7 +30,7 @@ from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from .memory import StorageLedger
 from .optim import ZeroOptimizer
-from .precision import LossScaler, PrecisionPolicy
+from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
 from .timers import StepTimers
 
@@ -53,7 +53,7 @@ class ZeroEngine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
         self.training_dataloader = training_dataloader
-        self.loss_scaler: Optional[LossScaler] = LossScaler.from_config(config.fp16)
+        self.loss_scaler: LossScaling = loss_scaling(config.fp16)   # fp16, or no scaling
         self.global_rank = comm.rank
         self.world_size = comm.world_size
         self.local_rank = _local_rank()
@@ -93,8 +93,7 @@ class ZeroEngine(nn.Module):
             scaled = loss
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 scaled = scaled / self.gradient_accumulation_steps()
-            if self.loss_scaler is not None:
-                scaled = scaled * self.loss_scaler.loss_scale
+            scaled = self.loss_scaler.scale(scaled)
             self.stage.begin_backward(self.is_gradient_accumulation_boundary())
             scaled.backward(retain_graph=retain_graph)
             self.stage.finish_backward()
@@ -163,12 +162,11 @@ class ZeroEngine(nn.Module):
             raise StateError("engine.step() reached an accumulation boundary without any "
                              "engine.backward(loss) since the last update")
         self.settle()
-        scale = self.loss_scaler.loss_scale if self.loss_scaler else 1.0
-        outcome = self.stage.step(grad_scale=scale, clip=self.config.gradient_clipping)
+        outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
+                                  clip=self.config.gradient_clipping)
         self._last_outcome = outcome
         self._backward_in_window = False
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=not outcome.applied)
+        self.loss_scaler.update(overflow=not outcome.applied)
         if outcome.applied:
             if self.lr_scheduler is not None:
                 if self.stage.delays_update:  # the update still reads the current lr
@@ -217,15 +215,15 @@ class ZeroEngine(nn.Module):
                  f"first non-finite gradient (in model order) in {first}"
                  + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
         self.skipped_steps += 1
-        if self.loss_scaler is None and self.config.nonfinite == "raise":
+        if self.loss_scaler.skips_overflows:
+            logger.warning("fp16 overflow at %s: step skipped, loss scale now %s", where,
+                           self.loss_scale)
+            return None
+        if self.config.nonfinite == "raise":
             return NonFiniteGradientError(
                 f"{where} ({self.config.precision} training; parameters left unchanged; set "
                 "\"nonfinite\": \"skip\" to skip such steps instead)")
-        if self.loss_scaler is not None:
-            logger.warning("fp16 overflow at %s: step skipped, loss scale now %s", where,
-                           self.loss_scale)
-        else:
-            logger.warning("skipped %s", where)
+        logger.warning("skipped %s", where)
         return None
 
     def _log_progress(self) -> None:
@@ -261,7 +259,7 @@ class ZeroEngine(nn.Module):
 
     @property
     def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler else 1.0
+        return self.loss_scaler.loss_scale
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -370,7 +368,7 @@ class ZeroEngine(nn.Module):
             comm=self.comm, stage_index=self.zero_optimization_stage(),
             precision=self.config.precision,
             counters={name: getattr(self, name) for name in checkpoint.state.COUNTERS},
-            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
+            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler.for_checkpoint(),
             data_loader=self.training_dataloader)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,

@@ -9,7 +9,7 @@ Note: master weights
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -97,6 +97,17 @@ class LossScaler:
                    consecutive_hysteresis=fp16.consecutive_hysteresis,
                    min_scale=fp16.min_loss_scale)
 
+    # an fp16 scaler takes every non-finite gradient for an overflow and skips the step
+    skips_overflows = True
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss backward starts from: ``loss * loss_scale``."""
+        return loss * self.loss_scale
+
+    def for_checkpoint(self) -> "LossScaler":
+        """What a checkpoint saves and restores: this scaler's ``state_dict``."""
+        return self
+
     def update(self, overflow: bool) -> None:
         """Advance one optimizer step; ``overflow`` must be the same on every rank."""
         if self.dynamic:
@@ -124,3 +135,43 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+class NoLossScaling:
+    """fp32 and bf16: the loss is not scaled. The same interface as :class:`LossScaler`,
+    so the engine asks its questions of either and never tests for fp16."""
+
+    loss_scale = 1.0
+    # a non-finite gradient is not an overflow: the ``nonfinite`` setting decides
+    skips_overflows = False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss itself, unchanged."""
+        return loss
+
+    def update(self, overflow: bool) -> None:
+        """Nothing to adjust."""
+
+    def for_checkpoint(self) -> None:
+        """None: there is no scaler state, and the checkpoint records null for it."""
+        return None
+
+
+class LossScaling(Protocol):
+    """What the engine asks of loss scaling: :class:`LossScaler` or :class:`NoLossScaling`."""
+
+    loss_scale: float
+    skips_overflows: bool
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def update(self, overflow: bool) -> None: ...
+
+    def for_checkpoint(self) -> Optional[LossScaler]: ...
+
+
+def loss_scaling(fp16) -> LossScaling:
+    """The loss scaling for a ``fp16`` config section: a :class:`LossScaler` when fp16 is
+    enabled, else :class:`NoLossScaling`."""
+    scaler = LossScaler.from_config(fp16)
+    return NoLossScaling() if scaler is None else scaler

@@ -33,7 +33,8 @@ except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from zerotrain.config import FP16Config
-from zerotrain.precision import DTYPES, LossScaler, PrecisionPolicy
+from zerotrain.precision import (DTYPES, LossScaler, NoLossScaling, PrecisionPolicy,
+                                 loss_scaling)
 
 O, C = True, False  # overflow, clean step
 
@@ -211,6 +212,23 @@ def test_from_config_positive_loss_scale_is_static():
     scaler = LossScaler.from_config(FP16Config(enabled=True, loss_scale=128.0))
     assert not scaler.dynamic
     assert scales(scaler, [O, O, O, C]) == [128.0] * 4
+
+
+def test_loss_scaling_without_fp16_scales_nothing_and_keeps_no_state():
+    none = loss_scaling(FP16Config(enabled=False))
+    assert isinstance(none, NoLossScaling) and none.loss_scale == 1.0
+    loss = torch.tensor(3.0, requires_grad=True)
+    assert none.scale(loss) is loss
+    none.update(overflow=True)
+    assert none.loss_scale == 1.0
+    assert not none.skips_overflows and none.for_checkpoint() is None
+
+
+def test_loss_scaling_with_fp16_is_the_scaler_and_checkpoints_itself():
+    scaler = loss_scaling(FP16Config(enabled=True, loss_scale=128.0))
+    assert isinstance(scaler, LossScaler) and scaler.skips_overflows
+    assert scaler.for_checkpoint() is scaler
+    assert scaler.scale(torch.tensor(3.0)).item() == 384.0
 
 
 # --------------------------------------------------------------------------- state

@@ -9,6 +9,8 @@ Rules:
 * row 1 never imports ``torch.distributed``, and ``config`` does not import torch at all;
 * only ``comm`` calls torch.distributed collectives;
 * only ``engine``, ``initialize``, ``__init__`` and ``cli`` import ``engine``;
+* ``checkpoint`` and ``export`` never import ``stages`` or ``zero3``, although their row
+  allows it: they see a stage only through their own protocols (:data:`NEVER_IMPORTS`);
 * every module is placed in :data:`ROWS` (a new module fails until it is placed).
 
 Every import counts, including those inside functions and under ``if TYPE_CHECKING:``.
@@ -32,7 +34,7 @@ PACKAGE = "zerotrain"
 ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
     (("errors",), ("config", "flat", "estimate", "topology", "unsupported", "quantize"),
-     ("moe", "pipe")),
+     ("moe", "pipe", "records")),
     # 2. process-level services
     (("teardown",), ("comm", "memory", "precision", "log", "timers", "accelerator")),
     # 3. building blocks of a stage
@@ -55,6 +57,12 @@ NO_TORCH: frozenset[str] = frozenset({"config"})
 # The one module allowed to call collectives, and who may import the engine.
 COMM_MODULE = "comm"
 ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli"})
+# Names a module never imports although its row may: checkpoints and export reach a stage
+# only through checkpoint.state.ShardOwner and export.FullWeights.
+NEVER_IMPORTS: dict[str, frozenset[str]] = {
+    "checkpoint": frozenset({"stages", "zero3"}),
+    "export": frozenset({"stages", "zero3"}),
+}
 # Packages whose submodules must not import each other (see ``_package_rule``).
 ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared module
 
@@ -220,6 +228,20 @@ def layer_violations(modules: Mapping[str, str]) -> list[str]:
     return problems
 
 
+def never_import_violations(modules: Mapping[str, str]) -> list[str]:
+    problems = []
+    for key, source in modules.items():
+        banned = NEVER_IMPORTS.get(top_name(key), frozenset())
+        if not banned:
+            continue
+        for target, line in imported_modules(key, ast.parse(source, filename=key), modules):
+            if top_name(target) in banned:
+                problems.append(f"{key}.py:{line} imports {target}: {top_name(key)} never "
+                                f"imports {sorted(banned)} (it sees a stage only through "
+                                "its protocol)")
+    return problems
+
+
 def torch_import_violations(modules: Mapping[str, str]) -> list[str]:
     problems = []
     for key, source in modules.items():
@@ -310,6 +332,11 @@ def test_modules_import_only_from_lower_rows(modules):
     assert not problems, _report(problems)
 
 
+def test_checkpoint_and_export_never_import_stages_or_zero3(modules):
+    problems = never_import_violations(modules)
+    assert not problems, _report(problems)
+
+
 def test_row_one_does_not_import_torch_distributed_and_config_not_torch(modules):
     problems = torch_import_violations(modules)
     assert not problems, _report(problems)
@@ -329,7 +356,9 @@ def test_the_collective_detector_sees_comms_own_collectives(modules):
 
 def test_the_row_table_names_are_unique_and_known_rules_refer_to_placed_names():
     assert len(PLACEMENT) == sum(len(tier) for row in ROWS for tier in row)
-    for name in NO_TORCH | ENGINE_IMPORTERS | {COMM_MODULE} | set(ISOLATED_PACKAGES):
+    banned = {name for names in NEVER_IMPORTS.values() for name in names}
+    for name in (NO_TORCH | ENGINE_IMPORTERS | {COMM_MODULE} | set(ISOLATED_PACKAGES)
+                 | set(NEVER_IMPORTS) | banned):
         assert name in PLACEMENT, name
     for tier in PEER_TIERS:
         assert any(tier in row for row in ROWS), tier
@@ -338,8 +367,8 @@ def test_the_row_table_names_are_unique_and_known_rules_refer_to_placed_names():
 # --------------------------------------------------------------------------- the checker
 def _tree(**sources: str) -> dict[str, str]:
     """A synthetic package: keyword ``stages_zero12`` means ``stages/zero12``."""
-    return {k.replace("_", "/", 1) if k.startswith(("stages_", "demo_")) else k: v
-            for k, v in sources.items()}
+    return {k.replace("_", "/", 1) if k.startswith(("stages_", "demo_", "checkpoint_"))
+            else k: v for k, v in sources.items()}
 
 
 def test_checker_flags_an_upward_import():
@@ -383,6 +412,18 @@ def test_checker_flags_engine_imported_outside_its_users():
                  cli="from .engine import ZeroEngine\n", __init__="")
     problems = layer_violations(fake)
     assert len(problems) == 1 and "demo/run.py:1" in problems[0], problems
+
+
+def test_checker_flags_checkpoint_or_export_importing_stages_or_zero3():
+    fake = _tree(checkpoint_load="from ..stages.base import FROZEN\nfrom ..records import x\n",
+                 checkpoint_state="import zerotrain.zero3.partition\n",
+                 export="from .zero3.init import GatheredParameters\nfrom . import flat\n",
+                 engine="from .stages import base\n", stages_base="", records="", flat="")
+    problems = _report(never_import_violations(fake))
+    assert "checkpoint/load.py:1 imports stages/base" in problems
+    assert "checkpoint/state.py:1 imports zero3/partition" in problems
+    assert "export.py:1 imports zero3/init" in problems
+    assert len(never_import_violations(fake)) == 3, problems
 
 
 def test_checker_flags_unplaced_modules_and_imports_of_them():

@@ -355,7 +355,7 @@ class ZeroEngine(nn.Module):
                               "save_16bit_model at stage 3 gathers the full weights; set it "
                               "to true (or use save_checkpoint and `zerotrain consolidate`)")
         self.settle()
-        export.save_16bit_model(self.module, self.comm, save_dir, save_filename,
+        export.save_16bit_model(self.module, self.stage, self.comm, save_dir, save_filename,
                                 exclude_frozen_parameters)
         return True
 

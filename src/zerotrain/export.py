@@ -3,15 +3,16 @@
 * ``zerotrain consolidate``: a sharded checkpoint (zerotrain's or DeepSpeed's) to full fp32
   weights (Hugging Face layout); the work is done by :mod:`zerotrain.checkpoint.consolidate`, needs no process
   group and never loads the whole model at once.
-* :func:`save_16bit_model`: the live model's weights in their training dtype, gathered
-  parameter by parameter while one safetensors file is streamed (``engine.save_16bit_model``).
+* :func:`save_16bit_model`: the live model's weights in their training dtype, asked of the
+  stage (:class:`FullWeights`) parameter by parameter while one safetensors file is streamed
+  (``engine.save_16bit_model``).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
@@ -20,10 +21,8 @@ from .checkpoint import (CheckpointError, convert_zero_checkpoint_to_fp32_state_
                          get_fp32_state_dict_from_zero_checkpoint)
 from .checkpoint.stfile import TensorSpec, write_file
 from .comm import Communicator
-from .zero3.init import GatheredParameters
-from .zero3.partition import full_shape
 
-__all__ = ["consolidate_main", "convert_zero_checkpoint_to_fp32_state_dict",
+__all__ = ["FullWeights", "consolidate_main", "convert_zero_checkpoint_to_fp32_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "save_16bit_model"]
 
 logger = logging.getLogger(__name__)
@@ -64,25 +63,35 @@ def consolidate_main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def save_16bit_model(module: nn.Module, comm: Communicator, save_dir: str,
-                     save_filename: str = "model.safetensors",
+class FullWeights(Protocol):
+    """What an export needs from a stage: the module's tensors whole, one at a time (every
+    stage has these; stage 3 gathers each partitioned parameter for its copy)."""
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        """The full shape of one of the module's parameters or buffers."""
+
+    def full_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous host copy of it, full. Collective: every rank calls it for the same
+        tensors in the same order."""
+
+
+def save_16bit_model(module: nn.Module, weights: FullWeights, comm: Communicator,
+                     save_dir: str, save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False) -> str:
     """Write the module's full state dict, in its training dtype, to one safetensors file.
 
-    Collective: every rank calls it; rank 0 writes. Partitioned (stage 3) parameters are
-    gathered one at a time while the file is streamed, so no rank holds more than one full
+    Collective: every rank calls it; rank 0 writes. ``weights`` (the stage) hands over one
+    full tensor at a time while the file is streamed, so no rank holds more than one full
     parameter beyond its shards. Returns the path written.
     """
     entries = [(name, p) for name, p in module.named_parameters()
                if p.requires_grad or not exclude_frozen_parameters]
     entries += [(name, b) for name, b in _persistent_buffers(module)]
-    specs = [TensorSpec(name, t.dtype, tuple(full_shape(t))) for name, t in entries]
+    specs = [TensorSpec(name, t.dtype, tuple(weights.full_shape(t))) for name, t in entries]
     tensors = dict(entries)
 
     def produce(spec: TensorSpec) -> torch.Tensor:
-        tensor = tensors[spec.key]
-        with GatheredParameters([tensor]):
-            return tensor.detach().to("cpu", copy=True).contiguous()
+        return weights.full_copy(tensors[spec.key])
 
     path = os.path.join(save_dir, save_filename)
     if comm.rank == 0:

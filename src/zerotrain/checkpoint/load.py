@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..stages.base import FROZEN
+from ..records import FROZEN
 from . import client_state, deepspeed, fs, rng
 from .manifest import CheckpointError, read_manifest
 from .match import check_group_values, check_groups, check_model

@@ -1,24 +1,39 @@
 """What a checkpoint reads from a running job and hands back: engine-agnostic records.
 
-The checkpoint package never imports the engine or a concrete stage. The engine describes
-itself with a :class:`TrainingState`; the stage is reached only through the ``Stage``
-protocol's ``shard_records()`` and ``publish_parameters()``.
+The checkpoint package never imports the engine or the stages. The engine describes
+itself with a :class:`TrainingState`; the stage is reached only through
+:class:`ShardOwner`, the three methods a checkpoint calls (every stage has them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
 
 from ..comm import Communicator
 from ..flat import FlatLayout
-from ..stages.base import Stage
+from ..records import ShardRecord
 from .manifest import COUNTERS, CheckpointError
 
-__all__ = ["COUNTERS", "CheckpointReport", "LoadResult", "TrainingState", "shard_rank",
-           "writes_record"]
+__all__ = ["COUNTERS", "CheckpointReport", "LoadResult", "ShardOwner", "TrainingState",
+           "shard_rank", "writes_record"]
+
+
+class ShardOwner(Protocol):
+    """What a checkpoint needs from a stage: its shards, described as records, and a way to
+    make the module follow them once a load has written into them."""
+
+    def shard_records(self) -> list[ShardRecord]:
+        """This rank's optimizer shards (live tensors: a load writes into them)."""
+
+    def frozen_records(self) -> list[ShardRecord]:
+        """Shards of frozen parameters the stage partitions ([] when it keeps them whole)."""
+
+    def publish_parameters(self) -> None:
+        """Make the module's parameters equal the (just loaded) master shards. Collective:
+        every rank calls it."""
 
 
 @dataclass(slots=True)
@@ -32,7 +47,7 @@ class TrainingState:
     """
 
     module: nn.Module
-    stage: Stage
+    stage: ShardOwner
     optimizer: torch.optim.Optimizer
     comm: Communicator
     stage_index: int

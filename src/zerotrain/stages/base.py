@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence
+from typing import Callable, ContextManager, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..flat import Block, FlatLayout
+from ..flat import Block
 from ..offload import CopyLedger, Gradients
+from ..records import FROZEN, ShardRecord   # re-exported: the stages' old home of both
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,29 +40,6 @@ class CompileTarget:
     name: str
     module: nn.Module
     around: Optional[Callable[[], ContextManager[None]]] = None
-
-
-FROZEN = -1   # ShardRecord.group_index of a frozen parameter's shard (no optimizer group)
-
-
-@dataclass(slots=True)
-class ShardRecord:
-    """One flat fp32 tensor the optimizer steps on this rank, described well enough to be
-    saved, resharded and loaded without knowing which stage produced it.
-
-    ``master`` holds this rank's chunks of ``names`` at ``layout.shard_slice(slot)``;
-    ``optimizer_state`` is the optimizer's live state dict for ``master`` (tensors of the
-    same size, like ``exp_avg``, and scalars, like ``step``; empty before the first step);
-    ``group_index`` is the optimizer parameter group it belongs to, or ``FROZEN`` for the
-    shards of frozen parameters that stage 3 partitions too (no optimizer state).
-    """
-
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    layout: FlatLayout
-    master: torch.Tensor
-    optimizer_state: dict[str, Any]
-    group_index: int
 
 
 class Stage(Protocol):
@@ -96,6 +74,15 @@ class Stage(Protocol):
     def publish_parameters(self) -> None:
         """Make the module's parameters equal the (possibly just loaded) master shards.
         Collective: every rank calls it."""
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        """The full shape of one of the module's parameters or buffers (stage 3 partitions
+        parameters, leaving them empty)."""
+
+    def full_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous host copy of one of the module's parameters or buffers, full (stage
+        3 gathers a partitioned parameter for the copy and releases it). Collective: every
+        rank calls it for the same tensors in the same order."""
 
     def settle(self) -> None:
         """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""
@@ -199,6 +186,12 @@ class BucketedStage:
 
     def frozen_records(self) -> list[ShardRecord]:
         return []
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        return tensor.shape   # below stage 3 the module's tensors are whole on every rank
+
+    def full_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to("cpu", copy=True).contiguous()
 
     def memory_peaks(self) -> dict[str, int]:
         return {}

@@ -32,9 +32,11 @@ from ..comm import Communicator
 from ..offload import Storage
 from ..precision import PrecisionPolicy
 from ..stages.base import FROZEN, BucketedStage, CompileTarget, ShardRecord
+from . import partition as P
 from .hierarchical import build_groups
 from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
+from .init import GatheredParameters
 from .unit import GroupSlice, Unit
 from .unit_specs import build_units
 
@@ -171,6 +173,16 @@ class PartitionedDataParallel(BucketedStage):
                 shapes=[tuple(p.ds_shape) for p in params], layout=s.layout, master=master,
                 optimizer_state=self.optimizer.state[master], group_index=s.group))
         return out
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        return P.full_shape(tensor)   # a partitioned parameter is empty; ds_shape is its own
+
+    def full_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A partitioned parameter is gathered for the copy and released after (a buffer, or
+        a parameter whose unit is gathered, is copied as it is): an export holds one full
+        parameter at a time beyond the shards."""
+        with GatheredParameters([tensor]):
+            return tensor.detach().to("cpu", copy=True).contiguous()
 
     def frozen_records(self) -> list[ShardRecord]:
         """Frozen parameters' shards: saved and loaded like records, never stepped."""

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...stages.base import FROZEN
+from ...records import FROZEN
 from ..match import model_shapes
 from ..manifest import CheckpointError
 from ..reshard import target_range

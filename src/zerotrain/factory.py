@@ -25,8 +25,7 @@ _GRAD_REDUCTION = {0: AllReduceGrads, 1: ReduceScatterAtBoundary,
 def build_stage(stage: int, *, module: nn.Module,
                 groups: Sequence[tuple[list[str], list[nn.Parameter]]],
                 comm: Communicator, policy: PrecisionPolicy, zero_config,
-                make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer]
-                ) -> Stage:
+                make_optimizer: Callable[..., torch.optim.Optimizer]) -> Stage:
     """The stage object for ``zero_optimization.stage`` (the only place that branches on it).
 
     Stage 0 keeps a whole optimizer on every rank (shard world 1) and all-reduces
@@ -35,6 +34,10 @@ def build_stage(stage: int, *, module: nn.Module,
     partitions the parameters, gathering them per unit around their use. With
     ``offload_optimizer`` the fp32 state lives on the host (``offload/``) and is stepped
     there; with ``offload_param`` stage 3 keeps its parameter shards on the host too.
+
+    ``make_optimizer(shards, host_step=...)`` builds the optimizer over one list of shard
+    tensors per group; ``host_step`` comes from the storage, so the offload configuration
+    is read once, here.
     """
     if stage not in (0, 1, 2, 3):
         raise ConfigError("zero_optimization.stage", f"stage {stage} does not exist; use 0-3",
@@ -43,12 +46,13 @@ def build_stage(stage: int, *, module: nn.Module,
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     transfers = Transfers(device)   # issues and counts host <-> device copies
     storage = build_storage(offload, comm.rank, device, transfers)
+    optimizer_here = functools.partial(make_optimizer, host_step=storage.steps_on_host())
     make_updater = functools.partial(build_updater, storage=storage,
                                      delayed=offload.delayed_update)
     if stage == 3:
         return PartitionedDataParallel(module, [params for _, params in groups], comm=comm,
                                        policy=policy, zero_config=zero_config,
-                                       make_optimizer=make_optimizer, storage=storage,
+                                       make_optimizer=optimizer_here, storage=storage,
                                        param_storage=build_param_storage(offload, comm.rank,
                                                                          device, transfers),
                                        make_updater=make_updater)
@@ -60,5 +64,5 @@ def build_stage(stage: int, *, module: nn.Module,
         buckets=_GRAD_REDUCTION[stage],
     )
     return ShardedDataParallel(groups, comm=comm, policy=policy, plan=plan,
-                               make_optimizer=make_optimizer, storage=storage,
+                               make_optimizer=optimizer_here, storage=storage,
                                make_updater=make_updater)

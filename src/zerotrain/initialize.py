@@ -269,17 +269,16 @@ def _trainable_groups(model: nn.Module, optimizer, model_parameters) -> list[dic
 
 
 def _optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device):
-    def make(shards: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
-        """One list of flat shard tensors per parameter group."""
+    def make(shards: list[list[torch.Tensor]], *, host_step: bool) -> torch.optim.Optimizer:
+        """One list of flat shard tensors per parameter group; ``host_step``: the stage's
+        storage steps them on the host (the factory asks it, ``Storage.steps_on_host``)."""
         if client is not None:
             return retarget_optimizer(client, shards)
         shard_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": s}
                         for g, s in zip(groups, shards)]
-        offload = cfg.zero_optimization.offload_optimizer
-        on_host = offload is not None and offload.device != "none"
         return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, shard_groups,
-                               device=torch.device("cpu") if on_host else device,
-                               host_step=on_host)
+                               device=torch.device("cpu") if host_step else device,
+                               host_step=host_step)
     return make
 
 

@@ -11,6 +11,15 @@ Note: NVMe swapping
     the optimizer's keys stay the same objects), stepped, pointed home again and written
     back by a worker while the next record steps. ``buffer_count`` slots, 2 or 3 (one
     reading, one stepping, one writing).
+
+Note: storage questions
+    A stage never asks which storage it holds. What differs between the device, host memory
+    and NVMe is a method of the :class:`Storage` protocol: where its tensors are counted
+    (``memory_category``), whether training tensors may alias them (``can_alias``), whether
+    the optimizer over them steps on the host (``steps_on_host``, which also picks the
+    updater and the optimizer's device), how a parameter-dtype shard kept here follows its
+    master (``fill_from_master``), and what to wait for before rewriting them
+    (``finish_sends``).
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import ContextManager, Optional, Protocol, Sequence
 
 import torch
 
@@ -44,12 +53,51 @@ def _pinnable(pin: bool) -> bool:
     return bool(pin) and torch.cuda.is_available()
 
 
+class Storage(Protocol):
+    """Where a stage's fp32 masters (or stage 3's parameter shards) live, and what follows
+    from that. Stages ask it rather than inspect it (Note "storage questions")."""
+
+    transfers: Transfers
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new tensor of ``numel`` elements of ``dtype``, allocated here."""
+
+    def send(self, shard: torch.Tensor, device: torch.device
+             ) -> tuple[torch.Tensor, ContextManager]:
+        """``shard`` (kept here) on ``device`` for a collective, and the context to launch
+        it in."""
+
+    def upload(self, master: torch.Tensor, dtype: torch.dtype,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``master`` (kept here) as ``dtype`` on the device, or written into ``out``."""
+
+    def memory_category(self, role: str) -> str:
+        """The ``memory_breakdown`` category of ``role``'s tensors kept here (``"parameters"``
+        is ``"host_parameters"`` in host memory)."""
+
+    def can_alias(self) -> bool:
+        """Whether training tensors (parameters, parameter-dtype shards) may be views of the
+        tensors kept here instead of copies: only when those live on the training device."""
+
+    def steps_on_host(self) -> bool:
+        """Whether the optimizer over the tensors kept here runs on the host, one record at
+        a time (offload/updater.py), rather than on the device in one call."""
+
+    def finish_sends(self) -> None:
+        """Wait for copies still reading the tensors kept here (sent up for the last
+        backward), before those tensors are rewritten."""
+
+    def fill_from_master(self, out: torch.Tensor, master: torch.Tensor, *,
+                         master_storage: "Storage") -> None:
+        """Write ``master``'s values (fp32, kept in ``master_storage``) into ``out``, a
+        parameter-dtype shard kept here."""
+
+    def close(self) -> None:
+        """Release what the storage holds beyond its tensors (pins, files, threads)."""
+
+
 class DeviceStorage:
     """No offload: state is allocated on the training device, where it is used."""
-
-    kind = "device"      # where the state lives: "device", "host" or "nvme"
-    on_host = False
-    swaps = False
 
     def __init__(self, device: torch.device, transfers: Optional[Transfers] = None) -> None:
         self.device = torch.device(device)
@@ -67,6 +115,23 @@ class DeviceStorage:
         """``master`` (kept here, on the device) as ``dtype`` on the device, or into ``out``."""
         return master.to(dtype) if out is None else out.copy_(master)
 
+    def memory_category(self, role: str) -> str:
+        return role
+
+    def can_alias(self) -> bool:
+        return True
+
+    def steps_on_host(self) -> bool:
+        return False
+
+    def finish_sends(self) -> None:
+        """Copies from the device are ordered on its stream: nothing to wait for."""
+
+    def fill_from_master(self, out: torch.Tensor, master: torch.Tensor, *,
+                         master_storage: Storage) -> None:
+        """The master's storage sends it up (cast on the host when it lives there)."""
+        master_storage.upload(master, out.dtype, out=out)
+
     def close(self) -> None:
         pass
 
@@ -79,8 +144,7 @@ class HostStorage:
     state that is most of the host's memory, that rounding could nearly double it.
     """
 
-    kind = "host"
-    on_host = True
+    category_prefix = "host_"   # memory_breakdown: host_optimizer_state, host_parameters
     swaps = False
 
     def __init__(self, pin_memory: bool = False, transfers: Optional[Transfers] = None) -> None:
@@ -98,6 +162,25 @@ class HostStorage:
         """``master`` (fp32, kept here) as ``dtype`` on the device, cast on the host so
         only ``dtype``'s bytes cross (Note "the copy ledger" in transfers.py)."""
         return self.transfers.upload(master, dtype, out)
+
+    def memory_category(self, role: str) -> str:
+        return self.category_prefix + role
+
+    def can_alias(self) -> bool:
+        return False
+
+    def steps_on_host(self) -> bool:
+        return True
+
+    def finish_sends(self) -> None:
+        """Host tensors may still be read by queued host-to-device copies: let them land."""
+        self.transfers.synchronize()
+
+    def fill_from_master(self, out: torch.Tensor, master: torch.Tensor, *,
+                         master_storage: Storage) -> None:
+        """Host to host: parameters on the host need their masters on the host too
+        (offload/plan.py)."""
+        out.copy_(master)
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not self.pin or numel == 0:
@@ -166,7 +249,7 @@ class _Home:
 class NvmeStorage(HostStorage):
     """State in files under ``directory``, swapped through pinned slots (Note above)."""
 
-    kind = "nvme"
+    category_prefix = "nvme_"
     swaps = True
 
     def __init__(self, directory: Optional[str], rank: int, *, slots: int = 3,
@@ -361,9 +444,6 @@ def _check_directory(directory: Optional[str], section: str) -> str:
         raise ConfigError(key, f"{directory!r} is not writable by this process",
                           value=directory)
     return os.path.abspath(directory)
-
-
-Storage = Union[DeviceStorage, HostStorage]
 
 
 def build_storage(plan: OffloadPlan, rank: int, device: torch.device,

@@ -98,7 +98,7 @@ def build_updater(optimizer: torch.optim.Optimizer, storage: Storage, *,
                   delayed: bool = False) -> "DeviceUpdater | HostUpdater":
     """The updater for where ``storage`` keeps the masters (the stage calls it once its
     optimizer exists)."""
-    if not storage.on_host:
+    if not storage.steps_on_host():
         return DeviceUpdater(optimizer)
     return HostUpdater(optimizer, storage, delayed=delayed)
 

@@ -178,7 +178,7 @@ class BucketedStage:
     @property
     def state_category(self) -> str:
         """Where the optimizer state is counted: on the device, in host memory, on NVMe."""
-        return _CATEGORY[self.storage.kind] + "optimizer_state"
+        return self.storage.memory_category("optimizer_state")
 
     @property
     def delays_update(self) -> bool:
@@ -225,9 +225,6 @@ class BucketedStage:
     def compile_targets(self, module: nn.Module) -> list[CompileTarget]:
         """The whole module: these stages hook only parameters, never module calls."""
         return [CompileTarget("", module)]
-
-
-_CATEGORY = {"device": "", "host": "host_", "nvme": "nvme_"}  # memory_breakdown prefixes
 
 
 @dataclass(frozen=True, slots=True)

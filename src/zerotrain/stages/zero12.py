@@ -100,7 +100,7 @@ class ShardedDataParallel(BucketedStage):
         """The group whole, or, when the host steps it, one piece per bucket, so that the
         host never needs more than one bucket's gradient at a time."""
         blocks = self._layout(params).blocks
-        if not self.storage.on_host or len(blocks) <= 1:
+        if not self.storage.steps_on_host() or len(blocks) <= 1:
             return [(names, params)]
         return [([names[i] for i in b.slots], [params[i] for i in b.slots]) for b in blocks]
 
@@ -112,7 +112,7 @@ class ShardedDataParallel(BucketedStage):
             master[layout.shard_slice(slot)] = layout.shard_of_full(
                 param.detach(), slot, self.shard_rank).to(master.dtype)
         aliased = (layout.world == 1 and not self.policy.has_master_copy
-                   and not self.storage.on_host)
+                   and self.storage.can_alias())
         if aliased:  # Note: master weights (precision.py): fp32 keeps no copy
             for slot, param in zip(layout.slots, params):
                 param.data = master[layout.shard_slice(slot)].view(param.shape)

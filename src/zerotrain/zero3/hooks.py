@@ -4,9 +4,10 @@ Note: holders
     A unit is gathered while someone holds it: its own forward (pre-hook to post-hook), a
     module of another unit that depends on it, or its backward (from the moment the gradient
     of its forward output is computed until every use of its parameters in backward is
-    done). The last holder to let go releases it (``unit.py``, Note: freed storage). Whatever
-    is still gathered when backward ends is released then, so nothing gathered outlives a
-    micro-step's backward.
+    done). The unit counts its holders (``Unit.hold``, ``Unit.let_go``); the scheduler
+    releases it when the last one lets go (``unit.py``, Note: freed storage). Whatever is
+    still gathered when backward ends is released then (``Unit.drop_holders``), so nothing
+    gathered outlives a micro-step's backward.
 
 Note: end of a unit's backward
     Gradients of the trainable parameters are not enough to know that backward is done with
@@ -109,7 +110,7 @@ class UnitScheduler:
         """Release everything still gathered; forget this micro-step's bookkeeping."""
         for unit in self.units:
             if not unit.spec.persistent and unit.state is not UnitState.RELEASED:
-                unit.holders = 0
+                unit.drop_holders()
                 unit.release()
         self._kept.clear()
         self._backward_held.clear()
@@ -205,8 +206,7 @@ class UnitScheduler:
         for u in [unit] + [self.units[d] for d in sorted(unit.spec.deps)]:
             if u.spec.persistent:
                 continue
-            u.holders = max(0, u.holders - 1)
-            if u.holders == 0:
+            if u.let_go():
                 u.release()
 
     def _hold(self, unit: Unit) -> None:
@@ -214,7 +214,7 @@ class UnitScheduler:
             return
         if unit.state is UnitState.RELEASED:
             self._start_gather(unit)
-        unit.holders += 1
+        unit.hold()
 
     def _start_gather(self, unit: Unit) -> None:
         unit.start_gather()

@@ -123,17 +123,15 @@ class PartitionedDataParallel(BucketedStage):
 
     def publish_record(self, k: int) -> None:
         """Record k's parameter-dtype shard follows its master (no communication)."""
-        if k == 0 and self.param_storage.on_host and self.units[0].device.type == "cuda":
+        if k == 0:
             # host shards may still be read by queued host-to-device copies of the last
             # backward (with dpu this runs right after it): let those land first
-            self.param_storage.transfers.synchronize()
+            self.param_storage.finish_sends()
         unit, s = self._records[k]
-        if self.param_storage.on_host or unit.shard is unit.master:
-            unit.refresh_slice(s, self._masters[k])   # host to host, or nothing to do
-            return
-        # the shard is on the device: the master's storage sends it (cast on the host)
-        self.storage.upload(self._masters[k], unit.shard.dtype,
-                            out=unit.shard[s.column: s.column + s.layout.shard_numel])
+        if unit.shard is not unit.master:   # host to host, or sent up by the master's storage
+            self.param_storage.fill_from_master(
+                unit.shard[s.column: s.column + s.layout.shard_numel], self._masters[k],
+                master_storage=self.storage)
         unit.shards_changed()   # hpZ's secondary copy is stale now
 
     def finish_publish(self) -> None:
@@ -208,8 +206,7 @@ class PartitionedDataParallel(BucketedStage):
                  if isinstance(t, torch.Tensor)]
         shards = [u.shard for u in self.units]
         full = [u.full for u in self.units]
-        where = {"device": "parameters", "host": "host_parameters",
-                 "nvme": "nvme_parameters"}[self.param_storage.kind]
+        where = self.param_storage.memory_category("parameters")
         return {"parameters": full, where: shards, "hpz_parameters": self.wire.tensors(),
                 "gradients": self.buckets.tensors(),
                 self.state_category: [u.master for u in self.units] + state,

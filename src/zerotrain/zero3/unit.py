@@ -79,13 +79,13 @@ class Unit:
         self.numel = spec.numel
         self.master = self._initial_master(storage)
         self._send = shard_storage.send   # host shards go up on a side stream
-        if not policy.has_master_copy and not storage.on_host and not shard_storage.on_host:
+        if not policy.has_master_copy and storage.can_alias() and shard_storage.can_alias():
             self.shard = self.master
         else:  # masters and shards live apart (16-bit training, or offload)
             self.shard = shard_storage.zeros(self.shard_numel, policy.param_dtype)
             self.shard.copy_(self.master)
         self.state = UnitState.RELEASED
-        self.holders = 0
+        self._holders = 0   # Note: holders in hooks.py
         self._pending = None
         for p in spec.params:  # the unit's shard is the source of truth from now on
             p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
@@ -148,6 +148,20 @@ class Unit:
 
     def master_view(self, s: GroupSlice) -> torch.Tensor:
         return self.master[s.column: s.column + s.layout.shard_numel]
+
+    # ------------------------------------------------------------------ holders
+    def hold(self) -> None:
+        """One more holder keeps the unit gathered (Note: holders in hooks.py)."""
+        self._holders += 1
+
+    def let_go(self) -> bool:
+        """One holder fewer; True when none is left, so the caller releases the unit."""
+        self._holders = max(0, self._holders - 1)
+        return self._holders == 0
+
+    def drop_holders(self) -> None:
+        """Forget every holder (backward ended: whatever is still gathered is released)."""
+        self._holders = 0
 
     # ------------------------------------------------------------------ gather / release
     def start_gather(self) -> None:

@@ -41,7 +41,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("buckets", "optim", "schedules", "dataloader", "offload", "ops", "lr_watch",
       "hierarchy"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("zero3", "checkpointing", "compile"), ("zero", "factory")),
+    (("stages",), ("zero3", "activation", "compile"), ("zero", "checkpointing", "factory")),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("export",), ("utils",)),
     # 6. the engine, then the entry points

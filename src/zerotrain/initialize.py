@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkpointing
+from . import activation
 from .checkpoint import CheckpointError
 from .checkpoint.deepspeed import is_deepspeed_tag_dir
 from .checkpoint.fs import resume_candidates
@@ -108,7 +108,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
     _check_sections(cfg, optimizer, lr_scheduler)
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
-        checkpointing.configure(None, deepspeed_config=cfg)
+        activation.configure(None, deepspeed_config=cfg)
 
     model = _place_module(model, device, policy.param_dtype)
     check_same_across_ranks(comm, fingerprint(model, cfg))

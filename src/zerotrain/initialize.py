@@ -48,6 +48,7 @@ from .precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
 from .factory import build_stage
+from .zero3.init import unpartition
 from .zero3.partition import full_shape, is_partitioned
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         activation.configure(None, deepspeed_config=cfg)
 
+    if cfg.zero_optimization.stage < 3:   # stages 0-2 train full parameters
+        unpartition(model.parameters(), comm)
     model = _place_module(model, device, policy.param_dtype)
     check_same_across_ranks(comm, fingerprint(model, cfg))
     if comm.world_size > 1:  # partitioned parameters were broadcast by zero.Init

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..comm import Communicator, init_distributed
+from ..errors import StateError
 from . import partition as P
 from .writes import PartitionedWrites, bound_initializers
 
@@ -233,6 +234,33 @@ class GatheredParameters:
             p.data = P.empty_placeholder(p)
         P.mark(self._gathered, P.ZeroParamStatus.NOT_AVAILABLE)
         self._gathered.clear()
+
+
+def unpartition(params: Iterable[nn.Parameter], comm: Communicator) -> int:
+    """Give parameters partitioned by ``zero.Init`` their full values back, for good.
+
+    Stages 0-2 train full parameters: a model built under ``zero.Init`` and then handed to
+    one of them (a script whose config moved from stage 3 to stage 2) gets the values plain
+    construction would have given. Collective over ``comm`` (every rank, same order);
+    returns how many parameters were made whole."""
+    whole = 0
+    for p in params:
+        if not P.is_partitioned(p):
+            continue
+        chunk = p.ds_tensor.to(comm.device).contiguous()
+        if chunk.numel() != P.chunk_numel(p.ds_numel, comm.world_size):
+            raise StateError(
+                f"a parameter of shape {tuple(p.ds_shape)} was partitioned by zero.Init over "
+                f"a group other than the {comm.world_size} data-parallel ranks: build the "
+                "model outside zero.Init to train it at stages 0-2")
+        out = torch.empty(comm.world_size * chunk.numel(), dtype=chunk.dtype,
+                          device=chunk.device)
+        comm.all_gather(out, chunk)
+        p.data = P.fill_full(p, out).to(device=p.ds_tensor.device, dtype=p.dtype).clone()
+        p.ds_tensor = None
+        p.ds_status = P.ZeroParamStatus.AVAILABLE
+        whole += 1
+    return whole
 
 
 def _shard_comm(p: nn.Parameter, world: Communicator) -> Communicator:

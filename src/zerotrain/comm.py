@@ -28,6 +28,16 @@ Note: intra-node and cross-node bytes
     element passes the links between nodes, so the counted volume is what the slow network
     carries. Hierarchical schemes (hpZ, MiCS, quantized gradients) win by running part of
     their traffic on node groups and shrinking what the cross-node groups carry.
+
+Note: coalesced gathers
+    :meth:`Communicator.all_gather_into_many` runs several all-gathers, each into an output
+    of its own (stage 3 gathers every parameter of a unit straight into its place in the
+    unit's full buffer), as one launch: torch's ``_coalescing_manager`` collects them and
+    hands them to the backend together (one NCCL group call; gloo runs them as one
+    coalesced gather). Where torch has no coalescing manager, or the backend refuses the
+    coalesced call, each gather is launched on its own, asynchronously, in the same order;
+    the results are the same, only the launch count differs. The backend is the same on
+    every rank, so every rank takes the same path and the collectives pair up.
 """
 from __future__ import annotations
 
@@ -36,7 +46,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +62,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # torch 2.13 renames the tensor collectives; torch 2.4 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_coalescing_manager = getattr(dist.distributed_c10d, "_coalescing_manager", None)
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
@@ -204,6 +215,19 @@ class CommLedger:
         self.nbytes[op] += nbytes
         self.by_reach[reach][op] += nbytes
 
+    def record_many(self, op: str, tensors: Sequence[torch.Tensor], *, calls: int,
+                    reach: str = "intra_node") -> None:
+        """``tensors`` moved by ``calls`` launches (coalesced collectives): elements and
+        bytes as if each were recorded, the launches counted as calls."""
+        if not tensors:
+            return
+        numel = sum(t.numel() for t in tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.calls[op] += calls
+        self.elements[op] += numel
+        self.nbytes[op] += nbytes
+        self.by_reach[reach][op] += nbytes
+
     def total_elements(self) -> int:
         return sum(self.elements.values())
 
@@ -254,6 +278,7 @@ class Communicator:
         self.topology = topology or Topology.single_node(dist.get_rank(),
                                                          dist.get_world_size())
         self.reach = "cross_node" if self.topology.spans_nodes(self.ranks) else "intra_node"
+        self._coalesce = _coalescing_manager is not None   # Note: coalesced gathers
 
     # ------------------------------------------------------------------ topology
     def discover_topology(self) -> Topology:
@@ -340,6 +365,57 @@ class Communicator:
         return self._call("all_gather", output, label, async_op, lambda: _all_gather(
             output, input, group=self.group, async_op=async_op))
 
+    def all_gather_into_many(self, outputs: Sequence[torch.Tensor],
+                             inputs: Sequence[torch.Tensor], *, label: str = ""):
+        """All-gathers of several tensors launched together, asynchronously: every rank's
+        ``inputs[i]`` (``n_i`` elements) concatenated in rank order into ``outputs[i]``
+        (``world * n_i`` elements, written in place: views of one buffer are fine). One
+        launch where the backend coalesces (Note: coalesced gathers). Bytes are counted as
+        ``all_gather``'s, the outputs', and calls as the launches made. Returns a handle
+        whose ``wait()`` must be called before the outputs are read; all ranks call it with
+        the same sizes in the same order."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"all_gather_into_many got {len(outputs)} outputs for "
+                             f"{len(inputs)} inputs")
+        for i, (output, input) in enumerate(zip(outputs, inputs)):
+            if output.numel() != input.numel() * self.world_size:
+                raise ValueError(f"all_gather_into_many output {i} has {output.numel()} "
+                                 f"elements, expected {self.world_size} x {input.numel()}")
+        self.check_devices("all_gather", label, *outputs, *inputs)
+        if not self.debug:
+            launches = self._gather_many(outputs, inputs)
+        else:
+            what = (f"rank {self.rank}: all_gather of {len(outputs)} tensors "
+                    f"({sum(o.numel() for o in outputs)} elements"
+                    + (f", {outputs[0].dtype}" if outputs else "") + ")"
+                    + (f" for {label}" if label else ""))
+            logger.debug("%s", what)
+            try:
+                launches = _DescribedWork(self._gather_many(outputs, inputs), what)
+            except Exception as exc:
+                raise CollectiveError(f"{what} failed: {exc}") from exc
+        self.ledger.record_many("all_gather", outputs, calls=launches.count, reach=self.reach)
+        return launches
+
+    def _gather_many(self, outputs: Sequence[torch.Tensor],
+                     inputs: Sequence[torch.Tensor]) -> "_Launches":
+        """Launch the gathers: coalesced when possible, else one by one (Note: coalesced
+        gathers); a refused coalesced call is logged once and not tried again."""
+        pairs = list(zip(outputs, inputs))
+        if len(pairs) > 1 and self._coalesce:
+            try:
+                with _coalescing_manager(self.group, None, async_ops=True) as cm:
+                    for output, input in pairs:
+                        _all_gather(output, input, group=self.group, async_op=True)
+                return _Launches(list(cm.works), 1, inputs)
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
+                _drop_coalescing_state(self.group)
+                logger.info("coalesced all-gather unavailable (%s); gathering one by one", exc)
+                self._coalesce = False
+        works = [_all_gather(output, input, group=self.group, async_op=True)
+                 for output, input in pairs]
+        return _Launches(works, len(works), inputs)
+
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, async_op: bool = False,
                   label: str = ""):
         """Overwrite ``tensor`` on every rank with rank ``src``'s (a global rank)."""
@@ -399,6 +475,7 @@ class _DescribedWork:
     def __init__(self, work, what: str) -> None:
         self._work = work
         self._what = what
+        self.count = getattr(work, "count", 1)   # launches (all_gather_into_many)
 
     def wait(self, *args, **kwargs):
         try:
@@ -408,6 +485,34 @@ class _DescribedWork:
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+def _drop_coalescing_state(group: Optional[dist.ProcessGroup]) -> None:
+    """Forget gathers a failed coalescing manager left collected: torch clears them only
+    when the block ends normally, and later calls on the group would be collected too."""
+    c10d = dist.distributed_c10d
+    pending = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+    if pending is not None:
+        pending.pop(group if group is not None else c10d._get_default_group(), None)
+
+
+class _Launches:
+    """Async works launched together; ``wait()`` waits for all of them. Keeps the inputs
+    alive until then (a device copy of a host shard has no other owner)."""
+
+    def __init__(self, works: list, count: int, inputs: Sequence[torch.Tensor]) -> None:
+        self._works = [w for w in works if w is not None]
+        self.count = count
+        self._inputs: Optional[Sequence[torch.Tensor]] = inputs
+
+    def wait(self, *args, **kwargs) -> bool:
+        for work in self._works:
+            work.wait(*args, **kwargs)
+        self._inputs = None
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 def _describe(backends: Mapping[str, str]) -> str:

@@ -129,10 +129,11 @@ class QuantizedAllGather:
 
 
 class PendingGather:
-    """An all-gather in flight; ``wait()`` gives the ``(world, shard_numel)`` rows."""
+    """A quantized all-gather in flight; ``wait()`` gives the decoded ``(world,
+    shard_numel)`` rows."""
 
-    def __init__(self, work, out: torch.Tensor, gather: Optional[QuantizedAllGather],
-                 numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, work, out: torch.Tensor, gather: QuantizedAllGather, numel: int,
+                 dtype: torch.dtype) -> None:
         self._work = work
         self._out = out
         self._gather = gather
@@ -142,17 +143,5 @@ class PendingGather:
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-        if self._gather is None:
-            return self._out.view(-1, self._numel)
-        q = self._gather.quantizer
         rows = self._out.view(self._gather.comm.world_size, -1)
-        return q.dequantize(rows, self._numel, self._dtype)
-
-
-def plain_gather(comm: Communicator, shard: torch.Tensor, device: torch.device, *,
-                 label: str = "") -> PendingGather:
-    """The unquantized all-gather of ``shard`` over ``comm``, asynchronous."""
-    out = torch.empty(comm.world_size * shard.numel(), dtype=shard.dtype, device=device)
-    shard = shard if shard.device == out.device else shard.to(out.device, non_blocking=True)
-    work = comm.all_gather(out, shard, async_op=True, label=label)
-    return PendingGather(work, out, None, shard.numel(), shard.dtype)
+        return self._gather.quantizer.dequantize(rows, self._numel, self._dtype)

@@ -56,7 +56,9 @@ def _train(rank, stage, overlap, flip):
     buckets = engine.stage.buckets
     # the buckets hold their reduce-scatter (a plug-in at stage 3); the rest is comm's
     for owner, op in ((engine.comm, "all_reduce"), (engine.comm, "all_gather"),
-                      (engine.stage.comm, "all_gather"), (buckets, "reduce_scatter")):
+                      (engine.stage.comm, "all_gather"),
+                      (engine.stage.comm, "all_gather_into_many"),
+                      (buckets, "reduce_scatter")):
         def wrapper(*args, _call=getattr(owner, op), _op=op, **kwargs):
             launched.append((_op, kwargs.get("label", "")))
             return _call(*args, **kwargs)
@@ -91,6 +93,8 @@ def test_hooks_in_rank_dependent_order_launch_collectives_in_one_order(worlds):
         assert flip0["arrived"] != flip1["arrived"], f"{case}: the hook orders must differ"
         assert flip0["launched"] == flip1["launched"], case
         assert any(label.startswith("gradient bucket") for _, label in flip0["launched"])
+        if case[0] == 3:   # the units' gathers are among the launches compared
+            assert any(op == "all_gather_into_many" for op, _ in flip0["launched"])
         for name, value in flip0["weights"].items():
             assert torch.equal(value, same0["weights"][name]), (case, name)
             assert torch.equal(value, flip1["weights"][name]), (case, name)

@@ -243,6 +243,12 @@ def test_save_16bit_model_writes_full_weights_that_from_pretrained_loads(worlds,
         assert torch.equal(got[name], value), name
 
 
+def _gathered(engine, state: str) -> int:
+    """Elements of the units in ``state`` whose full buffer holds bytes."""
+    return sum(u.numel for u in engine.stage.units
+               if u.state.value == state and u.full.untyped_storage().nbytes())
+
+
 def _no_grad_forward_releases(rank, world):
     import zerotrain
     torch.manual_seed(0)
@@ -257,15 +263,19 @@ def _no_grad_forward_releases(rank, world):
     engine.eval()
     with torch.no_grad():
         engine(x)
-    after_eval = sum(u.numel for u in engine.stage.units if u.full.untyped_storage().nbytes())
+    # the trace's next unit (backward's first) may still be prefetching into its buffer
+    after_eval = _gathered(engine, "gathered")
+    in_flight = _gathered(engine, "gathering")
+    window = 100 + max(u.numel for u in engine.stage.units)   # stage3_prefetch_bucket_size
     engine.train()
     engine(x)  # a forward with grad but no backward, then a normal step
     engine.backward(engine(x))
     engine.step()
     after_step = sum(u.numel for u in engine.stage.units if u.full.untyped_storage().nbytes())
-    return after_eval, after_step
+    return after_eval, in_flight <= window, after_step
 
 
 def test_forwards_without_backward_leave_nothing_gathered(worlds):
-    for after_eval, after_step in worlds.run(2, _no_grad_forward_releases):
-        assert after_eval == 0 and after_step == 0
+    for after_eval, in_flight_within_prefetch, after_step in worlds.run(
+            2, _no_grad_forward_releases):
+        assert after_eval == 0 and after_step == 0 and in_flight_within_prefetch

@@ -153,7 +153,9 @@ def test_every_collective_method_checks_its_tensors(monkeypatch):
     x = torch.zeros(4)
     calls = [lambda: comm.all_reduce(x), lambda: comm.broadcast(x),
              lambda: comm.reduce_scatter(torch.zeros(4), x),
-             lambda: comm.all_gather(torch.zeros(4), x)]
+             lambda: comm.all_gather(torch.zeros(4), x),
+             lambda: comm.all_gather_into_many([torch.zeros(4), torch.zeros(2)],
+                                               [x, torch.zeros(2)])]
     for call in calls:
         with pytest.raises(C.CollectiveError, match="got a tensor on cpu"):
             call()

@@ -7,10 +7,14 @@ Note: unit tensors
     ``shard``    the same chunks in the parameter dtype; the same tensor as ``master`` in
                  fp32 training without offload. This is what is all-gathered (copied to the
                  device first when ``offload_param`` keeps it in host memory or in a file).
-    ``full``     the unit's full parameters, one flat buffer in the parameter dtype. The
-                 tensor lives as long as the unit; its storage has bytes only while the unit
-                 is gathered (Note: freed storage). Each parameter's ``.data`` is a view of it
-                 while gathered, and an empty tensor otherwise (``partition.py``).
+    ``full``     the unit's full parameters, one flat buffer in the parameter dtype: a
+                 *segment* per parameter, its values first, then room for the padding the
+                 gathers write (``wire.padded_numel``). The gathers land there directly
+                 (Note "gathering in place" in ``wire.py``). The tensor lives as long as
+                 the unit; its storage has bytes only while the unit is being gathered or
+                 is gathered (Note: freed storage). Each parameter's ``.data`` is a view of
+                 its segment while gathered, and an empty tensor otherwise
+                 (``partition.py``).
 
     States move RELEASED -> GATHERING (an all-gather in flight) -> GATHERED -> RELEASED; each
     transition asserts where it starts. Persistent units are gathered once and stay GATHERED.
@@ -44,8 +48,7 @@ from ..offload import Storage
 from ..precision import PrecisionPolicy
 from . import partition as P
 from .unit_specs import UnitSpec
-from .wire import NO_BUCKET_LIMIT, UnitWire, gather_rows_into
-
+from .wire import NO_BUCKET_LIMIT, UnitWire
 
 
 class UnitState(enum.Enum):
@@ -91,8 +94,9 @@ class Unit:
             p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
             p.data = P.empty_placeholder(p)
         P.mark(spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
-        self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=device)
-        self._views = self._param_views()   # made while the storage has its bytes
+        self.full = torch.empty(sum(self._segment_numels()), dtype=self.shard.dtype,
+                                device=device)
+        self.segments, self.views = self._param_views()   # made while the storage has bytes
         self._free_full()                   # Note: freed storage
         self._attach()
         if spec.persistent:
@@ -170,7 +174,12 @@ class Unit:
         if not self.spec.params:  # a unit that only gathers its dependencies
             self.state = UnitState.GATHERED
             return
-        self._pending = self.wire.start(self, label=f"unit {self.spec.name or '<root>'}")
+        self._alloc_full()   # the gather writes into it (Note: freed storage)
+        try:
+            self._pending = self.wire.start(self, label=f"unit {self.spec.name or '<root>'}")
+        except BaseException:
+            self._free_full()
+            raise
         P.mark(self.spec.params, P.ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING
 
@@ -181,19 +190,15 @@ class Unit:
         return self._send(self.shard, self.device)
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather; write the full values into ``full``'s storage (allocated
-        again if it was freed) and point every parameter at its view of it."""
+        """Wait for the gather, which wrote the full values into ``full`` (Note "gathering
+        in place" in ``wire.py``), and point every parameter at its view of it."""
         if self.state is UnitState.GATHERED:
             return
         self._expect(UnitState.GATHERING)
         gathering, self._pending = self._pending, None
-        rows = gathering.wait()
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.numel * self.full.element_size())
-        gather_rows_into(rows, gathering.slices, self._views)
-        self.wire.gathered(self, self._views)
-        for p, view in zip(self.spec.params, self._views):
+        gathering.wait()
+        self.wire.gathered(self, self.views)
+        for p, view in zip(self.spec.params, self.views):
             p.data = view
         P.mark(self.spec.params, P.ZeroParamStatus.AVAILABLE)
         self.state = UnitState.GATHERED
@@ -216,14 +221,25 @@ class Unit:
     def _free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
 
-    def _param_views(self) -> list[torch.Tensor]:
-        """Each parameter's view of ``full``, made once: the views autograd saves and the
-        views later gathers write into are the same tensors' storage."""
-        views, offset = [], 0
-        for p in self.spec.params:
-            views.append(self.full[offset: offset + p.ds_numel].view(p.ds_shape))
-            offset += p.ds_numel
-        return views
+    def _alloc_full(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.full.numel() * self.full.element_size())
+
+    def _segment_numels(self) -> list[int]:
+        return [self.wire.padded_numel(p.ds_numel) for p in self.spec.params]
+
+    def _param_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each parameter's segment of ``full`` and its view (the segment's first
+        ``numel`` elements, shaped), made once: the views autograd saves and the segments
+        later gathers write into share the one storage."""
+        segments, views, offset = [], [], 0
+        for p, numel in zip(self.spec.params, self._segment_numels()):
+            segment = self.full[offset: offset + numel]
+            segments.append(segment)
+            views.append(segment[: p.ds_numel].view(p.ds_shape))
+            offset += numel
+        return segments, views
 
     def refresh_slice(self, s: GroupSlice, master: torch.Tensor) -> None:
         """After an optimizer step: the parameter-dtype shard of slice ``s`` follows

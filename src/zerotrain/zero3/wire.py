@@ -12,39 +12,104 @@ Note: the secondary partition (hpZ)
     exactly; the cost is the secondary copy, Ψ/H elements per rank. Persistent units stay
     gathered and keep no secondary copy. Every rank takes the same decisions in the same
     order, so the collectives pair up.
+
+Note: gathering in place
+    Rank ``r``'s chunk of parameter ``p`` is one contiguous slice of its shard
+    (``GroupSlice.column`` plus ``FlatLayout.shard_slice``), and the gathered chunks, in rank
+    order, are ``p`` itself followed by its zero padding. So each parameter is all-gathered
+    on its own, straight into its segment of the unit's ``full`` buffer (``unit.py``,
+    Note: unit tensors), and all of a unit's gathers go out as one launch
+    (``Communicator.all_gather_into_many``). Nothing is copied after the gather: the
+    parameters' views read the values where the collective wrote them. The same holds for
+    the secondary partition (its chunks have the same structure over H ranks). Only qwZ
+    copies: its int8 rows have to be decoded anyway, and the decoded values are written
+    into the views (``DequantizingGathering``).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 
 from ..comm import Communicator
 from ..flat import FlatLayout
-from ..hierarchy import PendingGather, QuantizedAllGather, plain_gather
+from ..hierarchy import PendingGather, QuantizedAllGather
 
-NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one collective
+NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one launch
 
 
 @dataclass(slots=True)
 class GatherSlice:
-    """Where a group of the unit's parameters sits in a gathered ``(world, numel)`` matrix."""
+    """Where a group of the unit's parameters sits in a secondary shard."""
 
     indices: list[int]        # positions in the unit's parameter list
     layout: FlatLayout
     column: int
 
 
-class Gathering:
-    """An all-gather in flight; ``wait()`` gives the rows and how to read them."""
+class InPlaceGathering:
+    """A unit's gathers in flight, writing into its parameters' segments of ``full``;
+    ``wait()`` leaves the full values there (Note: gathering in place)."""
 
-    def __init__(self, pending: PendingGather, slices: Sequence) -> None:
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+
+
+class DequantizingGathering:
+    """qwZ: the int8 rows arrive in a buffer of their own and must be decoded anyway; the
+    decoded values are then written into the parameters' views, one copy per parameter,
+    which the quantization makes inherent."""
+
+    def __init__(self, pending: PendingGather, slices: Sequence,
+                 views: Sequence[torch.Tensor]) -> None:
         self._pending = pending
-        self.slices = slices
+        self._slices = slices
+        self._views = views
 
-    def wait(self) -> torch.Tensor:
-        return self._pending.wait()
+    def wait(self) -> None:
+        rows = self._pending.wait()   # (world, shard_numel), decoded
+        with torch.no_grad():
+            for s in self._slices:
+                cols = rows[:, s.column: s.column + s.layout.shard_numel]
+                for slot, i in zip(s.layout.slots, s.indices):
+                    s.layout.copy_block_into_full(cols, slot, self._views[i])
+
+
+def gather_pieces(slices: Sequence, segments: Sequence[torch.Tensor], shard: torch.Tensor,
+                  world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per parameter with elements: where its gather lands (the first ``world * chunk``
+    elements of its segment of ``full``) and this rank's chunk of it in ``shard``
+    (``slices``: the unit's ``GroupSlice``s or a secondary partition's ``GatherSlice``s)."""
+    outputs, inputs = [], []
+    for s in slices:
+        for slot, i in zip(s.layout.slots, s.indices):
+            if slot.chunk:
+                where = s.layout.shard_slice(slot)
+                outputs.append(segments[i][: world * slot.chunk])
+                inputs.append(shard[s.column + where.start: s.column + where.stop])
+    return outputs, inputs
+
+
+@contextlib.contextmanager
+def _after_compute(launch: ContextManager, device: torch.device) -> Iterator[None]:
+    """Enter ``launch`` (the stream a host shard went up on) behind the work already queued
+    on the compute stream: ``full``'s storage was allocated there, from memory that work
+    may still use. Without CUDA there is nothing to order."""
+    if device.type != "cuda":
+        with launch:
+            yield
+        return
+    compute = torch.cuda.current_stream(device)
+    with launch:
+        torch.cuda.current_stream(device).wait_stream(compute)
+        yield
 
 
 class UnitWire:
@@ -54,15 +119,23 @@ class UnitWire:
         self.comm = comm
         self._quantized = QuantizedAllGather(comm) if quantized else None
 
-    def start(self, unit, *, label: str) -> Gathering:
-        """Launch the unit's all-gather (collective over the group, asynchronous)."""
-        shard, launch_after_copy = unit.shard_on_device()
-        with launch_after_copy:
+    def padded_numel(self, numel: int) -> int:
+        """Elements of a parameter's segment of ``full``: room for every gather this wire
+        lands there, padding included."""
+        return self.comm.world_size * math.ceil(numel / self.comm.world_size)
+
+    def start(self, unit, *, label: str):
+        """Launch the unit's gather into its ``full`` buffer, whose storage has its bytes
+        (collective over the group, asynchronous); ``wait()`` on the result finishes it."""
+        shard, launch = unit.shard_on_device()
+        with _after_compute(launch, unit.device):
             if self._quantized is not None:
-                pending = self._quantized.start(shard, label=label)
-            else:
-                pending = plain_gather(self.comm, shard, unit.device, label=label)
-        return Gathering(pending, unit.slices)
+                return DequantizingGathering(self._quantized.start(shard, label=label),
+                                             unit.slices, unit.views)
+            outputs, inputs = gather_pieces(unit.slices, unit.segments, shard,
+                                            self.comm.world_size)
+            return InPlaceGathering(self.comm.all_gather_into_many(outputs, inputs,
+                                                                   label=label))
 
     def gathered(self, unit, views: Sequence[torch.Tensor]) -> None:
         """The unit's full values are in ``views`` (one per parameter)."""
@@ -92,12 +165,18 @@ class SecondaryPartitionWire(UnitWire):
         self.secondary = secondary
         self._units: dict[int, _Secondary] = {}
 
-    def start(self, unit, *, label: str) -> Gathering:
+    def padded_numel(self, numel: int) -> int:
+        world = self.secondary.world_size
+        return max(super().padded_numel(numel), world * math.ceil(numel / world))
+
+    def start(self, unit, *, label: str):
         kept = self._units.get(unit.spec.index)
         if kept is None or not kept.valid:
             return super().start(unit, label=label)
-        return Gathering(plain_gather(self.secondary, kept.shard, unit.device,
-                                      label=f"{label} (hpZ)"), kept.slices)
+        outputs, inputs = gather_pieces(kept.slices, unit.segments, kept.shard,
+                                        self.secondary.world_size)
+        return InPlaceGathering(self.secondary.all_gather_into_many(
+            outputs, inputs, label=f"{label} (hpZ)"))
 
     def gathered(self, unit, views: Sequence[torch.Tensor]) -> None:
         if unit.spec.persistent or not unit.spec.params:
@@ -133,14 +212,3 @@ class SecondaryPartitionWire(UnitWire):
 
     def tensors(self) -> list[torch.Tensor]:
         return [kept.shard for kept in self._units.values()]
-
-
-def gather_rows_into(rows: torch.Tensor, slices: Sequence, views: Sequence[torch.Tensor]
-                     ) -> None:
-    """Write a gathered ``(world, numel)`` matrix into the parameters' full views (``slices``:
-    the unit's ``GroupSlice``s or a secondary partition's ``GatherSlice``s)."""
-    with torch.no_grad():
-        for s in slices:
-            cols = rows[:, s.column: s.column + s.layout.shard_numel]
-            for slot, i in zip(s.layout.slots, s.indices):
-                s.layout.copy_block_into_full(cols, slot, views[i])

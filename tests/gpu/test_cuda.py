@@ -133,3 +133,67 @@ def test_device_selection_side_stream_copies_and_copy_ledger_on_cuda(tmp_path, b
                              "to_device": 2 * 2 * res["shard"]}, res
     assert res["upload_exact"] and res["send_exact"], res
     assert res["streams"] == ["to_device", "to_host"], res
+
+
+GATHER_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    import zerotrain, reference as R
+    sys.path.insert(0, {here!r} + "/dist")
+    from test_gather_in_place import WritesInto, _inside
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+    def run(offload):
+        config = R.engine_config(stage=3, precision="bf16")
+        zero = config["zero_optimization"]
+        zero["stage3_max_reuse_distance"] = 0
+        if offload:
+            zero["offload_param"] = {{"device": "cpu", "pin_memory": True}}
+            zero["offload_optimizer"] = {{"device": "cpu", "pin_memory": True}}
+        model = R.make_model().cuda()
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        units, comm = engine.stage.units, engine.stage.wire.comm
+        seen = {{"launches": 0, "misplaced": 0}}
+        def spy(outputs, inputs, *, label="", _call=comm.all_gather_into_many):
+            unit = next(u for u in units if label == f"unit {{u.spec.name or '<root>'}}")
+            seen["launches"] += 1
+            seen["misplaced"] += sum(not _inside(o, unit.full) for o in outputs)
+            return _call(outputs, inputs, label=label)
+        comm.all_gather_into_many = spy
+        engine.comm.ledger.reset()
+        with WritesInto(units) as writes:
+            for step in range(2):
+                x, y = R.micro_batch(step, 0, 0)
+                engine.backward(engine(x.cuda(), y.cuda()))
+                engine.step()
+        torch.cuda.synchronize()
+        out = {{**seen, "written": writes.written,
+               "calls": engine.comm.ledger.calls["all_gather"]}}
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            out["weights"] = {{n: p.detach().float().cpu() for n, p in model.named_parameters()}}
+        engine.close()
+        return out
+
+    plain, offload = run(False), run(True)
+    diff = R.max_diff(plain.pop("weights"), offload.pop("weights"))
+    print("RESULT " + json.dumps({{"plain": plain, "offload": offload, "diff": diff}}))
+""")
+
+
+def test_gathers_write_into_the_units_full_buffer_on_nccl(tmp_path):
+    """Stage 3 bf16 on NCCL, with and without offload_param: every gather's outputs lie in
+    its unit's full buffer, Python writes nothing into it, one launch per unit gather, and
+    the two runs train alike (CPU: tests/dist/test_gather_in_place.py)."""
+    import json
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER_SCRIPT.format(here=HERE))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(next(l for l in out.stdout.splitlines()
+                          if l.startswith("RESULT "))[len("RESULT "):])
+    for case in ("plain", "offload"):
+        got = res[case]
+        assert got["launches"] > 0 and got["misplaced"] == 0 and got["written"] == 0, res
+        assert got["calls"] == got["launches"], res
+    assert res["diff"] <= 1e-2, res

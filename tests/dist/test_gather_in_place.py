@@ -135,3 +135,16 @@ def test_gathers_write_into_the_units_full_buffer_without_copies(worlds):
             assert res["misplaced"] == [], (name, res)
             assert res["written"] == 0, (name, res)
         assert any("(hpZ)" in label for label in per_case["hpz"]["launches"])
+
+
+def test_segments_leave_room_for_the_primary_and_the_secondary_gather():
+    """A parameter's segment of ``full`` holds the larger padded size of the two
+    partitions it is gathered from (hpZ)."""
+    from types import SimpleNamespace
+
+    from zerotrain.zero3.wire import SecondaryPartitionWire, UnitWire
+    primary, secondary = SimpleNamespace(world_size=2), SimpleNamespace(world_size=3)
+    sizes = (0, 1, 4, 5, 7)
+    assert [UnitWire(primary).padded_numel(n) for n in sizes] == [0, 2, 4, 6, 8]
+    wire = SecondaryPartitionWire(primary, secondary)
+    assert [wire.padded_numel(n) for n in sizes] == [0, 3, 6, 6, 9]

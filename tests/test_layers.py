@@ -36,7 +36,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("errors",), ("config", "flat", "estimate", "topology", "unsupported", "quantize"),
      ("moe", "pipe", "records")),
     # 2. process-level services
-    (("teardown",), ("comm", "memory", "precision", "log", "timers", "accelerator")),
+    (("teardown",), ("comm", "memory", "precision", "log", "timers", "throughput", "accelerator")),
     # 3. building blocks of a stage
     (("buckets", "optim", "schedules", "dataloader", "offload", "ops", "lr_watch",
       "hierarchy"),),

@@ -32,6 +32,7 @@ from .memory import StorageLedger
 from .optim import ZeroOptimizer
 from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
+from .throughput import ThroughputTimer
 from .timers import StepTimers
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class ZeroEngine(nn.Module):
         self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
+        self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, _reach_totals(comm.ledger))
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
         self._compilation: Optional[Compilation] = None
@@ -112,6 +114,7 @@ class ZeroEngine(nn.Module):
             self._end_micro_step()
 
     def _end_micro_step(self) -> None:
+        self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
         self.micro_steps += 1
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
@@ -227,9 +230,10 @@ class ZeroEngine(nn.Module):
         return None
 
     def _log_progress(self) -> None:
-        logger.info("step=%d skipped=%d lr=%s loss_scale=%s grad_norm=%s", self.global_steps,
-                    self.skipped_steps, self.get_lr(), self.loss_scale,
-                    self.get_global_grad_norm())
+        rate = self.tput_timer.avg_samples_per_sec()
+        logger.info("step=%d skipped=%d lr=%s loss_scale=%s grad_norm=%s samples/s=%s",
+                    self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scale,
+                    self.get_global_grad_norm(), f"{rate:.1f}" if rate > 0 else "-")
         if self.config.wall_clock_breakdown:
             logger.info("time (ms) over the last %d steps: %s", self.config.steps_per_print,
                         {k: round(v * 1e3, 2) for k, v in self.timing_breakdown().items()})

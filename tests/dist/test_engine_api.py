@@ -211,3 +211,18 @@ print("world", torch.distributed.get_world_size(), "steps", engine.global_steps)
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "world 1 steps 2" in out.stdout
+
+
+def _engine_counts(rank, world):
+    import reference as R
+    import zerotrain
+    engine, *_ = zerotrain.initialize(model=R.make_model(),
+                                      config=R.engine_config(stage=2, ga=2))
+    R.train_engine(engine, steps=4, rank=rank, ga=2)
+    timer = engine.tput_timer
+    return (timer.global_step_count, timer.micro_step_count, timer.batch_size,
+            timer.avg_samples_per_sec() > 0)
+
+
+def test_tput_timer_counts_optimizer_and_micro_steps(worlds):
+    assert worlds.run(2, _engine_counts) == [(4, 8, 16, True)] * 2

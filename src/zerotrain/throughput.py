@@ -1,0 +1,70 @@
+"""Training samples per second, under DeepSpeed's name ``engine.tput_timer``.
+
+Note: what the rate measures
+    Optimizer steps are the unit: every applied or skipped step consumes one global batch
+    (``train_batch_size`` samples over all ranks). The rate is those samples divided by the
+    wall-clock time from the end of step ``start_step`` to the end of the latest step, so
+    it includes data loading and everything else the loop does, and leaves out the first
+    steps (allocation, compilation, autotuning). On a CUDA device the step ends are CUDA
+    events recorded on the current stream: nothing waits while training, and reading the
+    rate waits for the latest step only (Note: timing on a GPU in ``timers.py``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+
+class ThroughputTimer:
+    """Counts epochs, micro-steps and optimizer steps; ``avg_samples_per_sec()`` is the
+    rate since warm-up (Note: what the rate measures)."""
+
+    def __init__(self, batch_size: int, device: torch.device, start_step: int = 2) -> None:
+        self.batch_size = batch_size
+        self.start_step = start_step
+        self.on_cuda = torch.device(device).type == "cuda"
+        self.epoch_count = 0
+        self.micro_step_count = 0     # micro-steps since the epoch began
+        self.global_step_count = 0
+        self._first: Optional[object] = None   # step ``start_step``'s end: a time or event
+        self._last: Optional[object] = None
+
+    def update_epoch_count(self) -> None:
+        """A new epoch begins (scripts call this at the end of each epoch)."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def stop(self, global_step: bool) -> None:
+        """A micro-step ended; ``global_step``: it ended with an optimizer step."""
+        self.micro_step_count += 1
+        if not global_step:
+            return
+        self.global_step_count += 1
+        if self.global_step_count < self.start_step:
+            return
+        mark = self._mark()
+        if self.global_step_count == self.start_step:
+            self._first = mark
+        self._last = mark
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the steps after ``start_step``; ``-inf`` before any."""
+        steps = self.global_step_count - self.start_step
+        if steps <= 0:
+            return float("-inf")
+        return steps * self.batch_size / max(self._seconds(), 1e-9)
+
+    def _mark(self) -> object:
+        if not self.on_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self) -> float:
+        if not self.on_cuda:
+            return self._last - self._first
+        self._last.synchronize()
+        return self._first.elapsed_time(self._last) / 1e3   # milliseconds

@@ -1,0 +1,49 @@
+"""engine.tput_timer (DeepSpeed's name): step counts, epochs, and samples per second from
+the host clock on the CPU or from CUDA events (checked with fake events: nothing waits
+while training)."""
+import torch
+
+from zerotrain.throughput import ThroughputTimer
+
+
+def test_counts_and_rate_from_the_host_clock(monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr("zerotrain.throughput.time.perf_counter", lambda: float(next(clock)))
+    timer = ThroughputTimer(batch_size=32, device=torch.device("cpu"), start_step=2)
+    assert timer.avg_samples_per_sec() == float("-inf")
+    for micro in range(12):                       # accumulation over 3 micro-steps
+        timer.stop(global_step=(micro + 1) % 3 == 0)
+    assert (timer.global_step_count, timer.micro_step_count) == (4, 12)
+    # step ends read the clock at steps 2, 3, 4: 2 steps of 32 samples in 2 s
+    assert timer.avg_samples_per_sec() == 32.0
+    timer.update_epoch_count()
+    assert (timer.epoch_count, timer.micro_step_count) == (1, 0)
+
+
+class FakeEvent:
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at, self.waited = None, False
+
+    def record(self, stream=None):
+        FakeEvent.clock += 0.5
+        self.at = FakeEvent.clock
+
+    def synchronize(self):
+        self.waited = True
+
+    def elapsed_time(self, end):
+        assert end.waited, "read only after waiting for the end event"
+        return (end.at - self.at) * 1e3
+
+
+def test_cuda_rate_comes_from_events_without_synchronizing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda *a: (_ for _ in ()).throw(AssertionError("synchronized")))
+    timer = ThroughputTimer(batch_size=8, device=torch.device("cuda", 0), start_step=2)
+    for _ in range(6):
+        timer.stop(global_step=True)
+    assert timer.avg_samples_per_sec() == 4 * 8 / (4 * 0.5)

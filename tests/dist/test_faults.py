@@ -227,7 +227,8 @@ def test_ranks_that_differ_in_a_buffer_or_a_config_key_are_told_which(worlds, ca
 # --------------------------------------------------------------------------- comms_timeout
 def _stuck_peer_job(rank, world, flag, what):
     import time
-    engine, _ = _engine(R.engine_config(stage=2, comms_timeout=3, debug=True))
+    stage = 3 if what == "gather" else 2
+    engine, _ = _engine(R.engine_config(stage=stage, comms_timeout=3, debug=True))
     if rank == 1:   # never joins rank 0's collective; waits for rank 0 to give up
         deadline = time.monotonic() + 120
         while not os.path.exists(flag) and time.monotonic() < deadline:
@@ -246,17 +247,21 @@ def _stuck_peer_job(rank, world, flag, what):
     return {"error": error}
 
 
-@pytest.mark.parametrize("what", ["step", "save"])
+@pytest.mark.parametrize("what", ["step", "save", "gather"])
 def test_comms_timeout_applies_to_a_process_group_that_already_existed(tmp_path, what):
     """The test harness creates the group (default timeout) before initialize adopts it:
     rank 0's collective times out after comms_timeout, while rank 1 is still waiting, and
-    under ``debug`` the error names it (a gradient reduction, a save's handshake)."""
+    under ``debug`` the error names it (a gradient reduction, a save's handshake, a stage-3
+    unit's gathers)."""
     rank0, rank1 = run_world(_stuck_peer_job, 2, str(tmp_path / "gave-up"), what,
                              timeout=200)
     assert rank1["released"], (rank0, rank1)
     assert "CollectiveError" in rank0["error"], rank0
-    assert ("reduce_scatter" if what == "step" else "checkpoint save: metadata") in rank0[
-        "error"], rank0
+    named = {"step": "reduce_scatter", "save": "checkpoint save: metadata",
+             "gather": "all_gather of"}[what]
+    assert named in rank0["error"], rank0
+    if what == "gather":
+        assert "for unit" in rank0["error"], rank0
 
 
 # --------------------------------------------------------------------------- non-finite

@@ -195,8 +195,8 @@ class Unit:
         if self.state is UnitState.GATHERED:
             return
         self._expect(UnitState.GATHERING)
-        gathering, self._pending = self._pending, None
-        gathering.wait()
+        self._pending.wait()   # a failed gather stays pending: waiting again raises again
+        self._pending = None
         self.wire.gathered(self, self.views)
         for p, view in zip(self.spec.params, self.views):
             p.data = view

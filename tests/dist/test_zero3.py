@@ -263,19 +263,16 @@ def _no_grad_forward_releases(rank, world):
     engine.eval()
     with torch.no_grad():
         engine(x)
-    # the trace's next unit (backward's first) may still be prefetching into its buffer
     after_eval = _gathered(engine, "gathered")
-    in_flight = _gathered(engine, "gathering")
-    window = 100 + max(u.numel for u in engine.stage.units)   # stage3_prefetch_bucket_size
+    in_flight = _gathered(engine, "gathering")   # nothing prefetched for a backward to come
     engine.train()
     engine(x)  # a forward with grad but no backward, then a normal step
     engine.backward(engine(x))
     engine.step()
     after_step = sum(u.numel for u in engine.stage.units if u.full.untyped_storage().nbytes())
-    return after_eval, in_flight <= window, after_step
+    return after_eval, in_flight, after_step
 
 
 def test_forwards_without_backward_leave_nothing_gathered(worlds):
-    for after_eval, in_flight_within_prefetch, after_step in worlds.run(
-            2, _no_grad_forward_releases):
-        assert after_eval == 0 and after_step == 0 and in_flight_within_prefetch
+    for after_eval, in_flight, after_step in worlds.run(2, _no_grad_forward_releases):
+        assert (after_eval, in_flight, after_step) == (0, 0, 0)

@@ -39,7 +39,10 @@ Note: trace and prefetch
     ``prefetch_numel`` elements and within ``max_live_numel``. When the order differs (data
     dependent control flow), prefetching stops for the rest of the pass and the new order
     is recorded: results never depend on the trace, only the overlap does. Every rank takes
-    the same decisions, so the collectives stay in the same order everywhere.
+    the same decisions, so the collectives stay in the same order everywhere. A forward
+    without grad (evaluation) prefetches only within the trace's forward part: no backward
+    follows to use the rest, and a unit gathered for it would hold its memory until the
+    next pass.
 
     After its forward, a unit that the trace says is used again within
     ``max_reuse_distance`` elements of other gathers (typically the last blocks, whose
@@ -79,6 +82,8 @@ class UnitScheduler:
         self.policy = policy
         self._trace: Optional[list[int]] = None
         self._recording: list[int] = []
+        self._trace_forward = 0       # how many of the trace's entries are its forward's
+        self._recording_forward: Optional[int] = None   # set when its backward begins
         self._cursor = 0
         self._following = False
         self._kept: set[int] = set()
@@ -102,7 +107,10 @@ class UnitScheduler:
             self._let_go(index)
         self._kept.clear()
         if self._recording:
+            forward = self._recording_forward
+            self._trace_forward = len(self._recording) if forward is None else forward
             self._trace, self._recording = self._recording, []
+        self._recording_forward = None
         self._cursor = 0
         self._following = self._trace is not None
 
@@ -159,6 +167,8 @@ class UnitScheduler:
     def before_backward(self, index: int) -> None:
         if not self._in_backward:   # forward is over: what is gathered now stays till backward
             self._in_backward = True
+            if self._recording_forward is None:
+                self._recording_forward = len(self._recording)
             self.after_forward_numel = self._live_numel()
             self.peak_after_forward_numel = max(self.peak_after_forward_numel,
                                                 self.after_forward_numel)
@@ -225,6 +235,7 @@ class UnitScheduler:
             # no pass is being delimited (only submodules are called, as by a wrapper's
             # generate): stop recording rather than grow, and stop following the trace
             self._recording.clear()
+            self._recording_forward = None
             self._trace, self._following = None, False
         self._recording.append(index)
         if not self._following:
@@ -238,8 +249,11 @@ class UnitScheduler:
                          "prefetch paused for this pass", index)
 
     def _upcoming(self) -> Iterator[int]:
+        """The trace's next units; without grad (evaluation) only its forward's, since no
+        backward follows to use the others."""
         if self._following:
-            yield from self._trace[self._cursor:]
+            end = len(self._trace) if torch.is_grad_enabled() else self._trace_forward
+            yield from self._trace[self._cursor:end]
 
     def _live_numel(self) -> int:
         return sum(u.numel for u in self.units

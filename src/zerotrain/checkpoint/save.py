@@ -73,7 +73,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     except (CheckpointError, OSError) as exc:
         local["error"] = f"rank {comm.rank}: {exc}"
     everyone = comm.all_gather_object(local, label="checkpoint save: metadata")
-    _raise_first(everyone, tag)
+    _raise_first(everyone)
     tmp = fs.temp_dir(save_dir, tag, everyone[0]["nonce"])
     outcome: dict[str, Any] = {"error": None, "size": 0}
     try:
@@ -97,7 +97,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     return report
 
 
-def _raise_first(everyone: list[dict], tag: str) -> None:
+def _raise_first(everyone: list[dict]) -> None:
     """Raise on every rank the first problem any rank reported (same message everywhere)."""
     errors = [e["error"] for e in everyone if e["error"]]
     if errors:

@@ -363,3 +363,13 @@ def test_deepspeed_live_estimators_count_a_module_like_model_to_params():
     assert z2 == estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node=2)
     assert z3 == estimate_zero3_model_states_mem_needs_all_cold(total, largest,
                                                                 num_gpus_per_node=2)
+
+
+def test_notes_count_hpz_secondary_copy_per_gpu_count():
+    text = " ".join(estimate(EstimateRequest(SEVEN_B, gpus_per_node=8, nodes=2)).render().split())
+    assert "secondary parameter copy of 2Ψ/H bytes per GPU: +1.75 GB with H = 8" in text
+    fp32 = " ".join(estimate(EstimateRequest(SEVEN_B, gpus_per_node=4,
+                                             dtype="fp32")).render().split())
+    assert "copy of 4Ψ/H bytes per GPU: +7 GB with H = 4" in fp32
+    single = estimate(EstimateRequest(SEVEN_B, gpus_per_node=1)).render()
+    assert "hpZ" not in single

@@ -172,6 +172,12 @@ def _notes(rep: EstimateReport) -> list[str]:
         f"adds an fp32 gradient shard on the host: +{format_gb(dpu_per_node)} GB per node. "
         "DeepSpeed lays offload out differently; its own estimator is "
         "zerotrain.estimate.estimate_zero3_model_states_mem_needs_all_cold.")
+    if r.gpus_per_node > 1:
+        notes.append(
+            "ZeRO++ hpZ (zero_optimization.zero_hpz_partition_size H, at most the GPUs per "
+            f"node) adds to ZeRO-3 a secondary parameter copy of {bpp.params}Ψ/H bytes per "
+            f"GPU: +{format_gb(bpp.params * r.total_params / r.gpus_per_node)} GB with "
+            f"H = {r.gpus_per_node} (docs/multinode.md).")
     if r.optimizer != "adam":
         notes.append("No NVMe row: zerotrain swaps only Adam/AdamW state to NVMe.")
     if r.gpu_memory or rep.activations:

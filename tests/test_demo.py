@@ -88,3 +88,23 @@ def test_report_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch):
     assert "matplotlib is not installed" in text and 'pip install -e ".[demo]"' in text
     assert "5.500 before training -> 4.200 after 2 steps" in text
     assert "ZeRO-2's formula" in text and "8Ψ/N" in text
+
+
+def test_report_says_why_freed_gradient_shards_read_zero(tmp_path, monkeypatch):
+    from zerotrain.demo.report import write_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    results = {
+        "history": {"train": [(1, 5.0, 0.5), (2, 4.0, 1.0)], "val": [(0, 5.5), (2, 4.2)],
+                    "train_seconds": 1.0, "tokens_per_step": 100},
+        "sample": "def f():", "memory": [{"parameters": 400, "gradients": 0,
+                                          "optimizer_state": 400, "buffers": 0}] * 2,
+        "checkpoint": None, "world_size": 2, "stage": 2, "num_params": 100,
+        "marks": {"initialized": 1.0, "trained": 2.0}, "train_files": 9, "val_files": 1,
+        "train_bytes": 10**6, "val_bytes": 10**5, "val_loss_uniform": 5.545}
+    args = dict(config=default_config(stage=2, steps=2, micro_batch=1), out_dir=tmp_path,
+                launched_at=0.0, finished_at=3.0)
+    text = " ".join(write_report(results, **args).split())
+    assert "gradients read 0 because their shards are freed" in text
+    results["memory"] = [{"parameters": 400, "gradients": 200, "optimizer_state": 400}] * 2
+    assert "gradients read 0" not in " ".join(write_report(results, **args).split())

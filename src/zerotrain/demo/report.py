@@ -95,6 +95,9 @@ def _memory_lines(results: dict, config: dict) -> list[str]:
                      "the fp32 formula counts the weights once)")
     if stage == 3:
         notes.append("parameters under stage3_param_persistence_threshold, whole on every rank")
+    if stage >= 2 and all(not m.get("gradients") for m in ranks):
+        notes.append("gradients read 0 because their shards are freed once the step has used "
+                     "them; the formula's figure is held from backward to the step")
     return (textwrap.wrap(title, _WIDTH) + table
             + textwrap.wrap("; ".join(notes) + ".", _WIDTH, initial_indent="  ",
                             subsequent_indent="  "))

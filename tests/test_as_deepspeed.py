@@ -105,7 +105,7 @@ def test_switch_names_what_is_missing_and_is_undone_by_uninstall():
         assert DeepSpeedCPUAdam is zerotrain.ops.adam.DeepSpeedCPUAdam
         assert ZeroParamStatus is zerotrain.zero.ZeroParamStatus
         assert deepspeed.initialize is zerotrain.initialize
-        assert deepspeed.__version__ == zerotrain.__version__
+        assert deepspeed.__version__ == zerotrain.DEEPSPEED_VERSION   # test below
         from deepspeed.ops.adam.fused_adam import FusedAdam
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
         assert FusedAdam is zerotrain.ops.adam.FusedAdam
@@ -120,6 +120,30 @@ def test_switch_names_what_is_missing_and_is_undone_by_uninstall():
     assert "deepspeed" not in sys.modules
     with pytest.raises(ModuleNotFoundError):
         import deepspeed  # noqa: F401,F811
+
+
+def test_deepspeed_version_is_the_release_zerotrain_follows_and_its_own_stays_readable():
+    """A script's ``version.parse(deepspeed.__version__) >= version.parse("0.10.0")`` takes
+    DeepSpeed's modern branch; the release named is the one that wrote the fixtures."""
+    from packaging import version
+
+    import zerotrain
+    from zerotrain import as_deepspeed
+    from zerotrain.checkpoint.deepspeed.files import read
+
+    model_states = os.path.join(ROOT, "tests", "fixtures", "deepspeed_ckpts", "z1_fp32_w2",
+                                "checkpoint", "global_step3", "mp_rank_00_model_states.pt")
+    assert read(model_states)["ds_version"] == zerotrain.DEEPSPEED_VERSION
+    as_deepspeed.install()
+    try:
+        import deepspeed
+        assert deepspeed.__version__ == zerotrain.DEEPSPEED_VERSION != zerotrain.__version__
+        assert version.parse(deepspeed.__version__) >= version.parse("0.10.0")
+        assert (deepspeed.__version_major__, deepspeed.__version_minor__,
+                deepspeed.__version_patch__) == version.parse(deepspeed.__version__).release
+        assert deepspeed.__zerotrain_version__ == zerotrain.__version__ == "0.1.0"
+    finally:
+        as_deepspeed.uninstall()
 
 
 def test_runner_without_a_launcher_passes_local_rank_zero_like_deepspeeds(tmp_path,

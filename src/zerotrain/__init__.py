@@ -18,13 +18,18 @@ from .utils import log_dist, logger
 
 __version__ = "0.1.0"
 
+# The DeepSpeed release whose config, engine API and checkpoint format zerotrain follows (the
+# DeepSpeed checkpoints in tests/fixtures were written by it). Under ``zerotrain.as_deepspeed``
+# ``deepspeed.__version__`` reports it, so a script's version check takes DeepSpeed's branch.
+DEEPSPEED_VERSION = "0.19.8"
+
 # DeepSpeed scripts refer to the engine class by this name.
 DeepSpeedEngine = ZeroEngine
 
 setup_logger()
 
 __all__ = [
-    "ConfigError", "DeepSpeedEngine", "NonFiniteGradientError", "RankMismatchError",
+    "ConfigError", "DEEPSPEED_VERSION", "DeepSpeedEngine", "NonFiniteGradientError", "RankMismatchError",
     "RepeatingLoader", "ZeroEngine", "ZeroTrainError", "__version__", "accelerator",
     "add_config_arguments", "checkpointing", "comm", "get_accelerator", "init_distributed",
     "initialize", "log_dist", "logger", "moe", "ops", "pipe", "see_memory_usage", "utils",

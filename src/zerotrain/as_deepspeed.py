@@ -22,6 +22,14 @@ Note: aliases, not copies
     go into ``sys.modules``, because the import system sets each submodule as an attribute
     of its parent: aliasing ``deepspeed.utils.logging`` straight to ``zerotrain.utils``
     would overwrite the ``logging`` module inside ``zerotrain.utils``.
+
+Note: versions
+    ``deepspeed.__version__`` (and ``__version_major__``/``_minor__``/``_patch__``, as
+    DeepSpeed exports them) is ``zerotrain.DEEPSPEED_VERSION``, the DeepSpeed release whose
+    API and checkpoint format zerotrain follows, so a script's
+    ``version.parse(deepspeed.__version__) >= version.parse("0.10.0")`` takes the branch
+    written for that DeepSpeed. zerotrain's own version stays ``zerotrain.__version__``,
+    also readable as ``deepspeed.__zerotrain_version__``.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import os
 import runpy
 import sys
 import types
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .errors import ZeroTrainError
 
@@ -72,8 +80,22 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime.pipe.engine": "zerotrain.pipe",
     "deepspeed.runtime.pipe.module": "zerotrain.pipe",
 }
-_FORWARDED_DUNDERS = frozenset({"__version__", "__all__"})  # others belong to the alias
+_FORWARDED_DUNDERS = frozenset({"__all__"})  # others belong to the alias
 _GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
+
+
+def _deepspeed_version_part(index: int) -> int:
+    return int(importlib.import_module("zerotrain").DEEPSPEED_VERSION.split(".")[index])
+
+
+# ``deepspeed``'s version attributes (Note: versions)
+_VERSIONS: dict[str, Callable[[], Any]] = {
+    "__version__": lambda: importlib.import_module("zerotrain").DEEPSPEED_VERSION,
+    "__version_major__": lambda: _deepspeed_version_part(0),
+    "__version_minor__": lambda: _deepspeed_version_part(1),
+    "__version_patch__": lambda: _deepspeed_version_part(2),
+    "__zerotrain_version__": lambda: importlib.import_module("zerotrain").__version__,
+}
 
 
 class DeepSpeedInstalledError(ZeroTrainError, RuntimeError):
@@ -88,6 +110,8 @@ class _Alias(types.ModuleType):
         self.__zerotrain_target__ = target
 
     def __getattr__(self, attr: str):
+        if self.__name__ == "deepspeed" and attr in _VERSIONS:   # Note: versions
+            return _VERSIONS[attr]()
         child = f"{self.__name__}.{attr}"
         if child in ALIASES:
             return importlib.import_module(child)

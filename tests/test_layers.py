@@ -5,13 +5,16 @@ Rules:
 * a module imports zerotrain modules only from rows above its own, or from an earlier tier
   of its own row (:data:`ROWS`); members of :data:`PEER_TIERS` may also import each other;
 * inside a package, submodules may import each other, except in ``stages``: only
-  ``stages/__init__`` imports the stages, and a stage imports only ``stages/base``;
+  ``stages/__init__`` imports the stages, and a stage imports only ``stages/base``; and in
+  ``comm``, whose modules have their own rows (:data:`PACKAGE_ROWS`: ``setup`` and ``ledger``
+  first, then ``communicator``) and import only from rows above their own;
 * row 1 never imports ``torch.distributed``, and ``config`` does not import torch at all;
-* only ``comm`` calls torch.distributed collectives;
+* only modules of ``zerotrain.comm`` call torch.distributed collectives;
 * only ``engine``, ``initialize``, ``__init__`` and ``cli`` import ``engine``;
 * ``checkpoint`` and ``export`` never import ``stages`` or ``zero3``, although their row
   allows it: they see a stage only through their own protocols (:data:`NEVER_IMPORTS`);
-* every module is placed in :data:`ROWS` (a new module fails until it is placed).
+* every module is placed in :data:`ROWS`, and every module of ``comm`` in
+  :data:`PACKAGE_ROWS` (a new module fails until it is placed).
 
 Every import counts, including those inside functions and under ``if TYPE_CHECKING:``.
 """
@@ -54,7 +57,7 @@ PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config"})
-# The one module allowed to call collectives, and who may import the engine.
+# The one package allowed to call collectives, and who may import the engine.
 COMM_MODULE = "comm"
 ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli"})
 # Names a module never imports although its row may: checkpoints and export reach a stage
@@ -65,6 +68,12 @@ NEVER_IMPORTS: dict[str, frozenset[str]] = {
 }
 # Packages whose submodules must not import each other (see ``_package_rule``).
 ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared module
+# Packages whose submodules have rows of their own, lowest first (as in ROWS): a submodule
+# imports only from rows above its own. comm: set-up and the ledger, then the Communicator
+# over them, then DeepSpeed's function API, then the package's re-exports.
+PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "comm": (("setup", "ledger"), ("communicator",), ("deepspeed_api",), ("__init__",)),
+}
 
 COLLECTIVES = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_reduce_multigpu", "broadcast",
@@ -179,13 +188,34 @@ def external_imports(tree: ast.AST) -> Iterator[tuple[str, int]]:
 
 
 # --------------------------------------------------------------------------- checks
+def _package_row(key: str) -> Optional[int]:
+    """The row of a submodule of a :data:`PACKAGE_ROWS` package, or None if not placed."""
+    package, _, sub = key.partition("/")
+    for r, row in enumerate(PACKAGE_ROWS.get(package, ())):
+        if sub in row:
+            return r
+    return None
+
+
 def unplaced(modules: Mapping[str, str]) -> list[str]:
-    return sorted({top_name(k) for k in modules if top_name(k) not in PLACEMENT})
+    missing = {top_name(k) for k in modules if top_name(k) not in PLACEMENT}
+    missing |= {k for k in modules
+                if top_name(k) in PACKAGE_ROWS and "/" in k and _package_row(k) is None}
+    return sorted(missing)
 
 
 def _package_rule(importer: str, target: str) -> Optional[str]:
     """None if an import inside one package is allowed, else why not."""
     package = top_name(importer)
+    if package in PACKAGE_ROWS:
+        mine, theirs = _package_row(importer), _package_row(target)
+        if mine is None or theirs is None:
+            return None if mine is None else f"{target} is not placed in PACKAGE_ROWS"
+        if theirs >= mine:
+            return (f"{importer} imports only from rows above its own in "
+                    f"PACKAGE_ROWS[{package!r}] ({target} is in row {theirs + 1}, "
+                    f"{importer} in row {mine + 1})")
+        return None
     shared = ISOLATED_PACKAGES.get(package)
     if shared is None:
         return None
@@ -289,7 +319,7 @@ def _is_distributed(node: ast.AST, dist_names: set[str], torch_names: set[str]) 
 def collective_violations(modules: Mapping[str, str]) -> list[str]:
     problems = []
     for key, source in modules.items():
-        if key == COMM_MODULE:
+        if top_name(key) == COMM_MODULE:
             continue
         tree = ast.parse(source, filename=key)
         dist_names, torch_names, direct = _distributed_aliases(tree)
@@ -304,8 +334,8 @@ def collective_violations(modules: Mapping[str, str]) -> list[str]:
                   and isinstance(node.args[1], ast.Constant)
                   and isinstance(node.args[1].value, str) and is_collective(node.args[1].value)):
                 found.append((f"torch.distributed.{node.args[1].value}", node.lineno))
-        problems += [f"{key}.py:{line} uses {what}: only {COMM_MODULE}.py calls collectives "
-                     "(go through Communicator)" for what, line in found]
+        problems += [f"{key}.py:{line} uses {what}: only zerotrain.{COMM_MODULE} calls "
+                     "collectives (go through Communicator)" for what, line in found]
     return problems
 
 
@@ -323,8 +353,9 @@ def modules() -> dict[str, str]:
 
 def test_every_module_is_placed_in_a_row(modules):
     missing = unplaced(modules)
-    assert not missing, (f"modules {missing} are not in any row: place them in ROWS at the top "
-                         "of tests/test_layers.py (lowest row they may sit in)")
+    assert not missing, (f"modules {missing} are not in any row: place them in ROWS (or a "
+                         "package's module in PACKAGE_ROWS) at the top of tests/test_layers.py "
+                         "(lowest row they may sit in)")
 
 
 def test_modules_import_only_from_lower_rows(modules):
@@ -348,8 +379,11 @@ def test_only_comm_calls_torch_distributed_collectives(modules):
 
 
 def test_the_collective_detector_sees_comms_own_collectives(modules):
-    """Guards the detector: run on comm.py as if it were another module, it must fire."""
-    problems = collective_violations({"optim": modules[COMM_MODULE]})
+    """Guards the detector: run on comm's modules as if they were another module, it must
+    fire."""
+    own = [key for key in modules if top_name(key) == COMM_MODULE]
+    assert own, f"no {COMM_MODULE} modules under {SRC}"
+    problems = [p for key in own for p in collective_violations({"optim": modules[key]})]
     for name in ("all_reduce", "broadcast", "barrier", "all_gather_object"):
         assert any(f"torch.distributed.{name}" in p for p in problems), (name, problems)
 
@@ -358,6 +392,7 @@ def test_the_row_table_names_are_unique_and_known_rules_refer_to_placed_names():
     assert len(PLACEMENT) == sum(len(tier) for row in ROWS for tier in row)
     banned = {name for names in NEVER_IMPORTS.values() for name in names}
     for name in (NO_TORCH | ENGINE_IMPORTERS | {COMM_MODULE} | set(ISOLATED_PACKAGES)
+                 | set(PACKAGE_ROWS)
                  | set(NEVER_IMPORTS) | banned):
         assert name in PLACEMENT, name
     for tier in PEER_TIERS:
@@ -367,7 +402,7 @@ def test_the_row_table_names_are_unique_and_known_rules_refer_to_placed_names():
 # --------------------------------------------------------------------------- the checker
 def _tree(**sources: str) -> dict[str, str]:
     """A synthetic package: keyword ``stages_zero12`` means ``stages/zero12``."""
-    return {k.replace("_", "/", 1) if k.startswith(("stages_", "demo_", "checkpoint_"))
+    return {k.replace("_", "/", 1) if k.startswith(("stages_", "demo_", "checkpoint_", "comm_"))
             else k: v for k, v in sources.items()}
 
 
@@ -405,6 +440,20 @@ def test_checker_flags_stages_importing_each_other_but_not_base_or_init():
     problems = layer_violations(fake)
     assert len(problems) == 1 and "stages/zero3.py:1 imports stages/zero12" in problems[0], \
         problems
+
+
+def test_checker_orders_comm_modules_by_their_package_rows():
+    fake = _tree(comm___init__="from .communicator import C\nfrom .setup import x\n",
+                 comm_setup="from .communicator import C\n",
+                 comm_ledger="from .setup import x\n",
+                 comm_communicator="from .ledger import L\nfrom .setup import x\n",
+                 comm_deepspeed_api="from .communicator import y\n",
+                 comm_mystery="", optim="from .comm.mystery import z\n")
+    problems = _report(layer_violations(fake))
+    assert "comm/setup.py:1 imports comm/communicator" in problems
+    assert "comm/ledger.py:1 imports comm/setup" in problems
+    assert len(layer_violations(fake)) == 2, problems
+    assert unplaced(fake) == ["comm/mystery"]
 
 
 def test_checker_flags_engine_imported_outside_its_users():
@@ -453,6 +502,7 @@ def test_checker_flags_torch_in_config_and_distributed_in_row_one():
 def test_checker_flags_collectives_outside_comm(source):
     assert collective_violations({"buckets": source})
     assert not collective_violations({"comm": source})
+    assert not collective_violations({"comm/communicator": source})
 
 
 def test_checker_allows_non_collective_torch_distributed_calls():

@@ -1,7 +1,7 @@
 """The training engine: DeepSpeed's engine API over a ZeRO stage.
 
 The engine orchestrates and owns no math: gradients, shards and the update belong to the
-stage (``stages/``), loss scaling to ``precision.py``, collectives to ``comm.py``.
+stage (``stages/``), loss scaling to ``precision.py``, collectives to ``comm``.
 
 Note: micro-steps and boundaries
     ``step()`` is called after every micro-step's ``backward()``. The optimizer steps only
@@ -324,7 +324,7 @@ class ZeroEngine(nn.Module):
         """Bytes this rank's collectives carried since the last call, by reach and operation:
         ``{"steps": optimizer steps in the window, "intra_node": {op: bytes}, "cross_node":
         {op: bytes}}``. A group spanning nodes counts as cross-node (Note: intra-node and
-        cross-node bytes in ``comm.py``); nodes come from torchrun's ``LOCAL_WORLD_SIZE``
+        cross-node bytes in ``comm/ledger.py``); nodes come from torchrun's ``LOCAL_WORLD_SIZE``
         and ``GROUP_RANK``. Counting starts afresh after each call."""
         steps, before = self._comm_mark
         now = _reach_totals(self.comm.ledger)

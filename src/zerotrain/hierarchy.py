@@ -1,7 +1,7 @@
 """Collectives over several node-aware groups: MiCS's replicated reduce-scatter, ZeRO++'s
 quantized all-gather (qwZ) and quantized hierarchical reduce-scatter (qgZ).
 
-Each is built from ``comm.py``'s primitives, so the ledger sees every byte with its reach.
+Each is built from ``comm``'s primitives, so the ledger sees every byte with its reach.
 A reduce-scatter here has the signature of ``Communicator.reduce_scatter`` (``out``: this
 rank's row, ``input``: one row per rank of the sharding group, row-major) and returns a
 work handle or None; the gradient buckets take one as a plug-in.

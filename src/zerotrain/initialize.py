@@ -228,7 +228,7 @@ def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
 
 
 def _device() -> torch.device:
-    """This rank's training device (Note: the training device, in ``comm.py``); a group the
+    """This rank's training device (Note: the training device, in ``comm/setup.py``); a group the
     user created without ``set_device`` would leave every rank on ``cuda:0``, so set it."""
     device = select_device(group_backends())
     if device.type == "cuda" and torch.cuda.current_device() != device.index:

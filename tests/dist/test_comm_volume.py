@@ -1,4 +1,4 @@
-"""Communication per step, counted at the torch.distributed call (comm.py's ledger).
+"""Communication per step, counted at the torch.distributed call (comm/ledger.py's ledger).
 
 Rule: all_reduce counts twice its tensor, reduce_scatter its input, all_gather its output.
 Stages 0-2 move 2Ψ elements per optimizer step (Ψ padded to a multiple of the world size

@@ -89,7 +89,7 @@ def _step(rank, world, name):
 def _many(rank, world):
     """Three gathers into views of one buffer: coalesced, then with the coalescing manager
     refusing (each launched alone); the buffers and the ledger's launches."""
-    import zerotrain.comm as C
+    import zerotrain.comm.communicator as C   # where Communicator looks up _coalescing_manager
     out = {}
     for refuse in (False, True):
         comm = C.Communicator()

@@ -1,7 +1,7 @@
 """Bytes across nodes on a simulated 2-node world (4 ranks, 2 per node), and a real one
 launched as two torchrun agents.
 
-The ledger's rule (``comm.py``): all_gather counts its output, reduce_scatter its input,
+The ledger's rule (``comm/ledger.py``): all_gather counts its output, reduce_scatter its input,
 all_reduce twice its tensor, all_to_all its input; a collective over a group spanning
 nodes counts as cross-node bytes. Plain stage 3 with 16-bit parameters and gradients
 moves 3Ψ × 2 bytes per step, all across nodes.

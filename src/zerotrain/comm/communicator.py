@@ -1,0 +1,318 @@
+"""The :class:`Communicator`: the one place zerotrain's own collectives are launched.
+
+Why a module of its own: every collective zerotrain runs (gradient reduction, stage-3
+gathers, checkpoint agreement, ZeRO++'s two-level schemes) goes through one object that
+checks where its tensors are, records them in a :class:`~zerotrain.comm.ledger.CommLedger`,
+and with ``debug`` names the collective in any error, so nothing reaches torch.distributed
+unchecked or uncounted.
+
+Note: collective devices
+    Every tensor handed to a collective must be on a device the group's backend serves, and
+    a CUDA tensor on the current device (NCCL would otherwise fail deep inside, or hang).
+    :class:`Communicator` checks this before each call; the check is a few comparisons, so
+    it is always on and every distributed test runs its collectives through it.
+
+Note: coalesced gathers
+    :meth:`Communicator.all_gather_into_many` runs several all-gathers, each into an output
+    of its own (stage 3 gathers every parameter of a unit straight into its place in the
+    unit's full buffer), as one launch: torch's ``_coalescing_manager`` collects them and
+    hands them to the backend together (one NCCL group call; gloo runs them as one
+    coalesced gather). Where torch has no coalescing manager, or the backend refuses the
+    coalesced call, each gather is launched on its own, asynchronously, in the same order;
+    the results are the same, only the launch count differs. The backend is the same on
+    every rank, so every rank takes the same path and the collectives pair up.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveError
+from ..topology import Partition, Topology, group_of, local_node_entry
+from .ledger import CommLedger
+from .setup import group_backends, group_timeout
+
+logger = logging.getLogger(__name__)
+
+# torch 2.13 renames the tensor collectives; torch 2.4 only has the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_coalescing_manager = getattr(dist.distributed_c10d, "_coalescing_manager", None)
+
+# Process groups are costly to create and never freed by torch before shutdown: each
+# partition gets its group once per process (keyed by the default group it was made from).
+_SUBGROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+class Communicator:
+    """Collectives over one process group, each recorded in ``ledger``.
+
+    Every method must be called by all ranks of the group in the same order. Methods with
+    ``async_op=True`` return a work handle whose ``wait()`` must be called before the result
+    is read; otherwise they return None.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, debug: bool = False,
+                 topology: Optional[Topology] = None,
+                 ledger: Optional[CommLedger] = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.ledger = CommLedger() if ledger is None else ledger
+        self.debug = debug
+        self.backends = group_backends(group)
+        self.ranks: tuple[int, ...] = (tuple(dist.get_process_group_ranks(group))
+                                       if group is not None else tuple(range(self.world_size)))
+        self.topology = topology or Topology.single_node(dist.get_rank(),
+                                                         dist.get_world_size())
+        self.reach = "cross_node" if self.topology.spans_nodes(self.ranks) else "intra_node"
+        self._coalesce = _coalescing_manager is not None   # Note: coalesced gathers
+
+    # ------------------------------------------------------------------ topology
+    def discover_topology(self) -> Topology:
+        """Every rank's node from torchrun's environment (``topology.py``), exchanged once.
+
+        Collective over the default group: every rank calls it; all get the same result.
+        """
+        if self.group is not None:
+            raise ValueError("discover_topology runs on the default (world) group")
+        entry = local_node_entry(self.rank, self.world_size)
+        entries = self.all_gather_object(entry) if self.world_size > 1 else [entry]
+        return Topology.from_entries(self.rank, [tuple(e) for e in entries])
+
+    def with_topology(self, topology: Topology) -> "Communicator":
+        """This group again, its bytes classified by ``topology``, into the same ledger."""
+        return Communicator(self.group, debug=self.debug, topology=topology,
+                            ledger=self.ledger)
+
+    def subgroup(self, partition: Partition) -> "Communicator":
+        """The group of ``partition`` (global rank lists) holding this rank, recording into
+        this communicator's ledger. Collective over the default group the first time a
+        partition is asked for (every rank must ask for the same partitions in the same
+        order); created once per process and reused after."""
+        key = (id(dist.group.WORLD), tuple(tuple(ranks) for ranks in partition))
+        group_of(key[1], dist.get_rank())   # raises if the partition misses this rank
+        group = _SUBGROUPS.get(key)
+        if group is None:
+            group, _ = dist.new_subgroups_by_enumeration([list(r) for r in key[1]],
+                                                         timeout=group_timeout())
+            _SUBGROUPS[key] = group
+        return Communicator(group, debug=self.debug, topology=self.topology,
+                            ledger=self.ledger)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this group's tensors go: the current GPU when a CUDA backend other than
+        gloo serves the group, else the CPU (offloaded state on the host is copied here
+        before it is communicated)."""
+        if torch.cuda.is_available() and self.backends.get("cuda", "gloo") != "gloo":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def check_devices(self, op: str, label: str, *tensors: torch.Tensor) -> None:
+        """Raise CollectiveError unless every tensor is where this group can communicate it
+        (Note: collective devices)."""
+        for tensor in tensors:
+            device = tensor.device
+            served = device.type in self.backends
+            if served and device.type == "cuda":
+                served = device.index == torch.cuda.current_device()
+            if not served:
+                raise CollectiveError(
+                    f"rank {self.rank}: {op}{f' for {label}' if label else ''} got a tensor "
+                    f"on {device}, but this group ({_describe(self.backends)}) communicates "
+                    f"on {self.device}; move it there first")
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False,
+                   label: str = ""):
+        """In-place reduction of ``tensor`` over all ranks (``op``: sum, max, min, avg)."""
+        self.check_devices("all_reduce", label, tensor)
+        self.ledger.record("all_reduce", tensor, factor=2, reach=self.reach)
+        return self._call("all_reduce", tensor, label, async_op, lambda: dist.all_reduce(
+            tensor, op=_reduce_op(op), group=self.group, async_op=async_op))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
+                       async_op: bool = False, label: str = ""):
+        """Sum ``input`` (``world * n`` elements) over ranks; rank r gets slice r in ``output``."""
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter input has {input.numel()} elements, expected "
+                             f"{self.world_size} x {output.numel()}")
+        self.check_devices("reduce_scatter", label, output, input)
+        self.ledger.record("reduce_scatter", input, reach=self.reach)
+        return self._call("reduce_scatter", input, label, async_op, lambda: _reduce_scatter(
+            output, input, group=self.group, async_op=async_op))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                   label: str = ""):
+        """Concatenate every rank's ``input`` (``n`` elements) into ``output`` in rank order."""
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(f"all_gather output has {output.numel()} elements, expected "
+                             f"{self.world_size} x {input.numel()}")
+        self.check_devices("all_gather", label, output, input)
+        self.ledger.record("all_gather", output, reach=self.reach)
+        return self._call("all_gather", output, label, async_op, lambda: _all_gather(
+            output, input, group=self.group, async_op=async_op))
+
+    def all_gather_into_many(self, outputs: Sequence[torch.Tensor],
+                             inputs: Sequence[torch.Tensor], *, label: str = ""):
+        """All-gathers of several tensors launched together, asynchronously: every rank's
+        ``inputs[i]`` (``n_i`` elements) concatenated in rank order into ``outputs[i]``
+        (``world * n_i`` elements, written in place: views of one buffer are fine). One
+        launch where the backend coalesces (Note: coalesced gathers). Bytes are counted as
+        ``all_gather``'s, the outputs', and calls as the launches made. Returns a handle
+        whose ``wait()`` must be called before the outputs are read; all ranks call it with
+        the same sizes in the same order."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"all_gather_into_many got {len(outputs)} outputs for "
+                             f"{len(inputs)} inputs")
+        for i, (output, input) in enumerate(zip(outputs, inputs)):
+            if output.numel() != input.numel() * self.world_size:
+                raise ValueError(f"all_gather_into_many output {i} has {output.numel()} "
+                                 f"elements, expected {self.world_size} x {input.numel()}")
+        self.check_devices("all_gather", label, *outputs, *inputs)
+        if not self.debug:
+            launches = self._gather_many(outputs, inputs)
+        else:
+            what = (f"rank {self.rank}: all_gather of {len(outputs)} tensors "
+                    f"({sum(o.numel() for o in outputs)} elements"
+                    + (f", {outputs[0].dtype}" if outputs else "") + ")"
+                    + (f" for {label}" if label else ""))
+            logger.debug("%s", what)
+            try:
+                launches = _DescribedWork(self._gather_many(outputs, inputs), what)
+            except Exception as exc:
+                raise CollectiveError(f"{what} failed: {exc}") from exc
+        self.ledger.record_many("all_gather", outputs, calls=launches.count, reach=self.reach)
+        return launches
+
+    def _gather_many(self, outputs: Sequence[torch.Tensor],
+                     inputs: Sequence[torch.Tensor]) -> "_Launches":
+        """Launch the gathers: coalesced when possible, else one by one (Note: coalesced
+        gathers); a refused coalesced call is logged once and not tried again."""
+        pairs = list(zip(outputs, inputs))
+        if len(pairs) > 1 and self._coalesce:
+            try:
+                with _coalescing_manager(self.group, None, async_ops=True) as cm:
+                    for output, input in pairs:
+                        _all_gather(output, input, group=self.group, async_op=True)
+                return _Launches(list(cm.works), 1, inputs)
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
+                _drop_coalescing_state(self.group)
+                logger.info("coalesced all-gather unavailable (%s); gathering one by one", exc)
+                self._coalesce = False
+        works = [_all_gather(output, input, group=self.group, async_op=True)
+                 for output, input in pairs]
+        return _Launches(works, len(works), inputs)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, async_op: bool = False,
+                  label: str = ""):
+        """Overwrite ``tensor`` on every rank with rank ``src``'s (a global rank)."""
+        self.check_devices("broadcast", label, tensor)
+        self.ledger.record("broadcast", tensor, reach=self.reach)
+        return self._call("broadcast", tensor, label, async_op, lambda: dist.broadcast(
+            tensor, src=src, group=self.group, async_op=async_op))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                   label: str = ""):
+        """Rank r's ``input`` is cut into ``world`` equal parts; part j goes to rank j, which
+        stores it as part r of its ``output`` (same sizes)."""
+        if input.numel() != output.numel() or input.numel() % self.world_size:
+            raise ValueError(f"all_to_all needs equal input and output sizes divisible by "
+                             f"{self.world_size}, got {input.numel()} and {output.numel()}")
+        self.check_devices("all_to_all", label, output, input)
+        self.ledger.record("all_to_all", input, reach=self.reach)
+        return self._call("all_to_all", input, label, async_op, lambda: dist.all_to_all_single(
+            output, input, group=self.group, async_op=async_op))
+
+    def _call(self, op: str, tensor: torch.Tensor, label: str, async_op: bool, launch):
+        """Run a collective; with ``debug``, log it and name it in any error."""
+        if not self.debug:
+            return launch()
+        what = (f"rank {self.rank}: {op} of {tuple(tensor.shape)} {tensor.dtype}"
+                + (f" for {label}" if label else ""))
+        logger.debug("%s", what)
+        try:
+            work = launch()
+        except Exception as exc:
+            raise CollectiveError(f"{what} failed: {exc}") from exc
+        return _DescribedWork(work, what) if async_op else work
+
+    def all_gather_object(self, obj: Any, *, label: str = "") -> list:
+        """Every rank's picklable ``obj``, in rank order (small metadata only). With
+        ``debug``, logged and named (with ``label``) in any error."""
+        out: list = [None] * self.world_size
+        self.ledger.calls["all_gather_object"] += 1
+        if not self.debug:
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        what = f"rank {self.rank}: all_gather_object" + (f" for {label}" if label else "")
+        logger.debug("%s", what)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as exc:
+            raise CollectiveError(f"{what} failed: {exc}") from exc
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+class _DescribedWork:
+    """An async work handle whose ``wait()`` failure names the collective."""
+
+    def __init__(self, work, what: str) -> None:
+        self._work = work
+        self._what = what
+        self.count = getattr(work, "count", 1)   # launches (all_gather_into_many)
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        except Exception as exc:
+            raise CollectiveError(f"{self._what} failed: {exc}") from exc
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _drop_coalescing_state(group: Optional[dist.ProcessGroup]) -> None:
+    """Forget gathers a failed coalescing manager left collected: torch clears them only
+    when the block ends normally, and later calls on the group would be collected too."""
+    c10d = dist.distributed_c10d
+    pending = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+    if pending is not None:
+        pending.pop(group if group is not None else c10d._get_default_group(), None)
+
+
+class _Launches:
+    """Async works launched together; ``wait()`` waits for all of them. Keeps the inputs
+    alive until then (a device copy of a host shard has no other owner)."""
+
+    def __init__(self, works: list, count: int, inputs: Sequence[torch.Tensor]) -> None:
+        self._works = [w for w in works if w is not None]
+        self.count = count
+        self._inputs: Optional[Sequence[torch.Tensor]] = inputs
+
+    def wait(self, *args, **kwargs) -> bool:
+        for work in self._works:
+            work.wait(*args, **kwargs)
+        self._inputs = None
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def _describe(backends: Mapping[str, str]) -> str:
+    return ",".join(f"{device}:{name}" for device, name in backends.items())
+
+
+def _reduce_op(name: str) -> dist.ReduceOp:
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+           "avg": dist.ReduceOp.AVG}
+    if name not in ops:
+        raise ValueError(f"unknown reduce op {name!r}; expected one of {sorted(ops)}")
+    return ops[name]

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import activation
 from .checkpoint import CheckpointError
-from .checkpoint.deepspeed import is_deepspeed_tag_dir
+from .checkpoint.deepspeed import is_deepspeed_tag_dir, tag_steps
 from .checkpoint.fs import resume_candidates
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device, set_group_timeout)
@@ -154,7 +154,8 @@ def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
     """Load the newest checkpoint of ``checkpoint.auto_resume`` that loads.
 
     The tag ``latest`` names is tried first, then the other complete tags, newest first
-    (``checkpoint.fs.resume_candidates``); what was skipped is named in a warning. With
+    (``checkpoint.fs.resume_candidates``): zerotrain's by their manifest's step count,
+    DeepSpeed's ``global_stepN`` by N. Each tag skipped is named in a warning. With
     checkpoints present and none loadable it raises rather than start over from step 0
     (and later overwrite them)."""
     directory = cfg.checkpoint.auto_resume or os.environ.get(AUTO_RESUME_ENV)
@@ -164,15 +165,15 @@ def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
                           f"'latest' file ({os.path.dirname(os.path.abspath(directory))})")
     if not directory or not os.path.isdir(directory):
         return
-    candidates, notes = resume_candidates(directory)
+    candidates, notes = resume_candidates(directory, other_steps=tag_steps)
     for tag in candidates:   # a failed load changes nothing, so the next one can be tried
         try:
             path, _ = engine.load_checkpoint(directory, tag=tag)
         except CheckpointError as exc:
             notes.append(f"{tag}: {exc}")
             continue
-        if notes:
-            logger.warning("auto-resume: skipped %s", "; ".join(notes))
+        for note in notes:
+            logger.warning("auto-resume: skipped %s", note)
         logger.info("auto-resume: continued from %s at step %d", path, engine.global_steps)
         return
     if candidates:

@@ -136,3 +136,100 @@ def test_auto_resume_recognises_a_deepspeed_save_directory(worlds):
     assert torch.equal(weight, module["fc1.weight"])
     assert error is not None and "one tag of a DeepSpeed checkpoint" in error \
         and save_dir in error
+
+
+def _damaged_copies(base) -> dict[str, str]:
+    """Copies of the z2_fp32_w2 save directory with DeepSpeed's default tag names.
+
+    ``fallback``: global_step12 (what ``latest`` names) has a truncated optimizer file,
+    global_step11 lost rank 1's optimizer file, global_step10 and global_step9 are intact
+    (in name order global_step9 would come first). ``none_loads``: both tags damaged."""
+    source = os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint", f"global_step{M.BEFORE}")
+    rank1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    layouts = {"fallback": (12, {12: "truncate", 11: "remove", 10: None, 9: None}),
+               "none_loads": (3, {3: "truncate", 2: "remove"})}
+    roots = {}
+    for name, (latest, tags) in layouts.items():
+        root = base / name
+        for step, damage in tags.items():
+            tag_dir = root / f"global_step{step}"
+            shutil.copytree(source, tag_dir)
+            if damage == "truncate":   # a save killed while writing
+                data = (tag_dir / rank1).read_bytes()
+                (tag_dir / rank1).write_bytes(data[: len(data) // 2])
+            elif damage == "remove":
+                (tag_dir / rank1).unlink()
+        (root / "latest").write_text(f"global_step{latest}")
+        roots[name] = str(root)
+    return roots
+
+
+def _engine_state(engine) -> dict:
+    """Everything a load writes, as plain tensors: parameters, Adam state, counters, lr."""
+    state = {f"param.{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
+    for i, (master, values) in enumerate(engine.optimizer.state.items()):
+        for key, value in values.items():
+            state[f"optim.{i}.{key}"] = torch.as_tensor(value).detach().clone()
+    state["counters"] = torch.tensor([engine.global_steps, engine.global_samples,
+                                      engine.skipped_steps])
+    state["lr"] = torch.tensor(engine.get_lr())
+    return state
+
+
+def _fallback_job(rank, world, roots):
+    import logging
+
+    import zerotrain
+    from zerotrain.checkpoint import CheckpointError
+
+    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
+        config = json.load(f)["config"]
+
+    def build(**extra):
+        model = M.make_model(seed=1)
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
+                                          config=dict(config, **extra))
+        return engine
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append((record.levelname, record.getMessage()))
+    logging.getLogger("zerotrain").addHandler(handler)
+    try:
+        resumed = build(checkpoint={"auto_resume": roots["fallback"]})
+    finally:
+        logging.getLogger("zerotrain").removeHandler(handler)
+    direct = build()
+    direct.load_checkpoint(roots["fallback"], tag="global_step10")
+    ours, theirs = _engine_state(resumed), _engine_state(direct)
+    same = sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    resumed.close()
+    direct.close()
+    try:
+        build(checkpoint={"auto_resume": roots["none_loads"]})
+        refusal = None
+    except CheckpointError as exc:
+        refusal = str(exc)
+    return {"same": same, "steps": int(ours["counters"][0]), "refusal": refusal,
+            "skipped": [m for level, m in messages if level == "WARNING" and "skipped" in m],
+            "continued": [m for _, m in messages if "continued from" in m]}
+
+
+def test_auto_resume_walks_older_deepspeed_tags_newest_first_and_never_starts_over(
+        worlds, tmp_path):
+    """The DeepSpeed fallback follows zerotrain's rules: ``latest`` first, then the other
+    ``global_stepN`` by N, one warning per skipped tag; the state is exactly what loading
+    the surviving tag directly gives; with every tag damaged it refuses."""
+    roots = _damaged_copies(tmp_path)
+    results = worlds.run(2, _fallback_job, roots)
+    for rank, res in enumerate(results):
+        assert res["same"] and res["steps"] == M.BEFORE, res
+        skipped = res["skipped"]
+        assert len(skipped) == 2, skipped
+        assert "global_step12" in skipped[0] and "not a torch.save zip archive" in skipped[0]
+        assert "global_step11" in skipped[1] and "1 optimizer-state files" in skipped[1]
+        assert res["refusal"] is not None and "does not start over" in res["refusal"]
+        assert "global_step3" in res["refusal"] and "global_step2" in res["refusal"]
+    assert results[0]["continued"] == [
+        f"auto-resume: continued from {os.path.join(roots['fallback'], 'global_step10')} "
+        f"at step {M.BEFORE}"]

@@ -42,7 +42,7 @@ import secrets
 import shutil
 import signal
 import stat
-from typing import Optional
+from typing import Callable, Optional
 
 from .manifest import LATEST_NAME, MANIFEST_NAME, CheckpointError, check_tag
 from .stfile import fsync_dir
@@ -108,13 +108,17 @@ def read_latest(save_dir: str) -> Optional[str]:
     return None if tag is None else check_tag(tag)
 
 
-def resume_candidates(save_dir: str) -> tuple[list[str], list[str]]:
+def resume_candidates(save_dir: str, *,
+                      other_steps: Optional[Callable[[str], Optional[int]]] = None
+                      ) -> tuple[list[str], list[str]]:
     """Tags to resume from, best first, and notes on what was left out.
 
     The tag ``latest`` names comes first (whatever it is, so a reader of another format can
     try it), then every other tag directory holding a ``manifest.json``, by its
-    ``counters.global_steps``, newest first. Directories without a manifest are not
-    candidates; they are only noted.
+    ``counters.global_steps``, newest first. ``other_steps(path)`` gives the step count of
+    another format's tag directory, None when ``path`` is not one (DeepSpeed's
+    ``global_stepN``: ``deepspeed.files.tag_steps``); those are ordered by it with the rest.
+    Directories of neither kind are not candidates; they are only noted.
     """
     notes: list[str] = []
     named = None
@@ -128,6 +132,8 @@ def resume_candidates(save_dir: str) -> tuple[list[str], list[str]]:
         if entry.startswith(".") or entry == named or not os.path.isdir(path):
             continue
         steps = _global_steps(path)
+        if steps is None and other_steps is not None:
+            steps = other_steps(path)
         if steps is None:
             notes.append(f"{entry}: no readable {MANIFEST_NAME}")
         else:

@@ -9,10 +9,10 @@
 from __future__ import annotations
 
 from .export import DeepSpeedExport
-from .files import find_tag_dir, is_deepspeed_tag_dir
+from .files import find_tag_dir, is_deepspeed_tag_dir, tag_steps
 from .load import load_deepspeed_checkpoint
 from .source import DeepSpeedCheckpoint
 from .unpickle import DeepSpeedRecord, load_file
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedExport", "DeepSpeedRecord", "find_tag_dir",
-           "is_deepspeed_tag_dir", "load_deepspeed_checkpoint", "load_file"]
+           "is_deepspeed_tag_dir", "load_deepspeed_checkpoint", "load_file", "tag_steps"]

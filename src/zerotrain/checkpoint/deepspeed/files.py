@@ -20,6 +20,7 @@ from .unpickle import load_file
 MODEL_FILE = "mp_rank_00_model_states.pt"
 _RANK_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _RANK_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_TAG_STEP = re.compile(r"^global_step(\d+)$")   # the tags DeepSpeed names by default
 _OTHER_MP = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_(0[1-9]|[1-9]\d+)_model_states\.pt$")
 
 
@@ -28,6 +29,13 @@ def is_deepspeed_tag_dir(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     return any(name == MODEL_FILE or _RANK_MODEL.match(name) for name in os.listdir(path))
+
+
+def tag_steps(path: str) -> Optional[int]:
+    """N for a DeepSpeed tag directory named ``global_stepN`` (None otherwise): auto-resume
+    tries these newest first, in numeric order (``global_step10`` before ``global_step9``)."""
+    match = _TAG_STEP.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match and is_deepspeed_tag_dir(path) else None
 
 
 def find_tag_dir(load_dir: str, tag: Optional[Any] = None, *,

@@ -29,7 +29,7 @@ from .config import ZeroTrainConfig
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from .memory import StorageLedger
-from .optim import ZeroOptimizer
+from .optim import InferenceOnlyOptimizer, ZeroOptimizer
 from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
@@ -85,6 +85,7 @@ class ZeroEngine(nn.Module):
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of one micro-step: divides by the accumulation steps, scales for fp16,
         and leaves the gradient reduced (or accumulated) in the stage's buffers."""
+        self._refuse_without_optimizer("backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise StateError(f"backward() needs a scalar loss tensor, got "
                              f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}")
@@ -104,6 +105,7 @@ class ZeroEngine(nn.Module):
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
+        self._refuse_without_optimizer("step()")
         with self._timers.time("step"):
             try:
                 if self.is_gradient_accumulation_boundary():
@@ -112,6 +114,18 @@ class ZeroEngine(nn.Module):
                 self._end_micro_step()
                 raise
             self._end_micro_step()
+
+    @property
+    def inference_only(self) -> bool:
+        """Built without an optimizer (no ``optimizer`` section, no ``initialize(optimizer=)``):
+        forward, evaluation, generation and checkpoint loading only, as in DeepSpeed."""
+        return isinstance(self.stage.optimizer, InferenceOnlyOptimizer)
+
+    def _refuse_without_optimizer(self, call: str) -> None:
+        if self.inference_only:
+            raise StateError(f"{call} needs an optimizer: this engine was built without one "
+                             "(no 'optimizer' section in the config and no "
+                             "initialize(optimizer=...)), so it runs forward only")
 
     def _end_micro_step(self) -> None:
         self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())

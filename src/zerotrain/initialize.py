@@ -43,7 +43,8 @@ from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine
 from .errors import ConfigError, RankMismatchError
-from .optim import build_optimizer, param_groups_from, retarget_optimizer
+from .optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
+                    retarget_optimizer)
 from .precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
@@ -108,6 +109,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
     policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
     _check_sections(cfg, optimizer, lr_scheduler)
+    inference = optimizer is None and cfg.optimizer is None   # an engine for forward only
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         activation.configure(None, deepspeed_config=cfg)
 
@@ -121,13 +123,14 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             comm.broadcast(tensor.data, src=0)
         comm.ledger.reset()
 
-    groups = _trainable_groups(model, optimizer, model_parameters)
+    groups = [] if inference else _trainable_groups(model, optimizer, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
     stage = build_stage(
         cfg.zero_optimization.stage, module=model,
         groups=[([names[id(p)] for p in g["params"]], g["params"]) for g in groups],
         comm=comm, policy=policy, zero_config=cfg.zero_optimization,
-        make_optimizer=_optimizer_factory(cfg, optimizer, groups, device))
+        make_optimizer=(_no_optimizer if inference
+                        else _optimizer_factory(cfg, optimizer, groups, device)))
 
     scheduler = _scheduler(cfg, lr_scheduler, stage.optimizer)
     loader = None
@@ -143,7 +146,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if cfg.compile.enabled:
         engine.compile(backend=cfg.compile.backend, fallback=cfg.compile.fallback,
                        **cfg.compile.kwargs)
-    return engine, engine.optimizer, loader, scheduler
+    return engine, None if inference else engine.optimizer, loader, scheduler
 
 
 # ---------------------------------------------------------------------- helpers
@@ -220,9 +223,10 @@ def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer", "given both in the config and as initialize("
                           "optimizer=...); remove one")
-    if optimizer is None and cfg.optimizer is None:
-        raise ConfigError("optimizer", "no optimizer: add an 'optimizer' section to the "
-                          "config or pass initialize(optimizer=...)")
+    if optimizer is None and cfg.optimizer is None and (
+            lr_scheduler is not None or cfg.scheduler is not None):
+        raise ConfigError("scheduler", "a scheduler needs an optimizer: add an 'optimizer' "
+                          "section to the config or pass initialize(optimizer=...)")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler", "given both in the config and as initialize("
                           "lr_scheduler=...); remove one")
@@ -284,6 +288,12 @@ def _optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device)
                                device=torch.device("cpu") if host_step else device,
                                host_step=host_step)
     return make
+
+
+def _no_optimizer(shards: list[list[torch.Tensor]], *, host_step: bool
+                  ) -> torch.optim.Optimizer:
+    """The stage's optimizer for an engine built without one (forward only): no groups."""
+    return InferenceOnlyOptimizer()
 
 
 def _scheduler(cfg: ZeroTrainConfig, client, optimizer: torch.optim.Optimizer):

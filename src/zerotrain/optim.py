@@ -142,3 +142,18 @@ def iter_state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tenso
 
 def unwrap(optimizer: Optional[Any]) -> Optional[torch.optim.Optimizer]:
     return getattr(optimizer, "optimizer", optimizer)
+
+
+class InferenceOnlyOptimizer(torch.optim.Optimizer):
+    """The optimizer of an engine built with none (no ``optimizer`` section and no
+    ``initialize(optimizer=...)``), as DeepSpeed allows for a reference or evaluation model:
+    no parameter groups, and stepping it is an error naming why."""
+
+    def __init__(self) -> None:
+        super().__init__([{"params": []}], {})
+        self.param_groups.clear()
+
+    def step(self, closure: Any = None) -> None:
+        raise StateError("this engine was built without an optimizer (no 'optimizer' "
+                         "section in the config and no initialize(optimizer=...)), so it "
+                         "runs forward only")

@@ -27,6 +27,8 @@ __all__ = ["FullWeights", "consolidate_main", "convert_zero_checkpoint_to_fp32_s
 
 logger = logging.getLogger(__name__)
 
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")   # file names that torch.load is expected to read
+
 
 def build_parser(prog: str = "zerotrain consolidate") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -78,7 +80,10 @@ class FullWeights(Protocol):
 def save_16bit_model(module: nn.Module, weights: FullWeights, comm: Communicator,
                      save_dir: str, save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False) -> str:
-    """Write the module's full state dict, in its training dtype, to one safetensors file.
+    """Write the module's full state dict, in its training dtype, to one safetensors file;
+    a name ending in ``.bin``, ``.pt`` or ``.pth`` (DeepSpeed's default is
+    ``pytorch_model.bin``) gets the format the name promises, a ``torch.save`` file of
+    tensors only (``torch.load(weights_only=True)`` reads it), gathered on rank 0 first.
 
     Collective: every rank calls it; rank 0 writes. ``weights`` (the stage) hands over one
     full tensor at a time while the file is streamed, so no rank holds more than one full
@@ -96,13 +101,30 @@ def save_16bit_model(module: nn.Module, weights: FullWeights, comm: Communicator
     path = os.path.join(save_dir, save_filename)
     if comm.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        write_file(path + ".tmp", specs, produce, metadata={"format": "pt"})
+        if save_filename.endswith(TORCH_SUFFIXES):   # DeepSpeed's pytorch_model.bin
+            torch.save(_with_tied_names(module, {spec.key: produce(spec) for spec in specs}),
+                       path + ".tmp")
+        else:
+            write_file(path + ".tmp", specs, produce, metadata={"format": "pt"})
         os.replace(path + ".tmp", path)
     else:
         for spec in specs:  # take part in the same gathers, in the same order
             produce(spec)
     comm.barrier()
     return path
+
+
+def _with_tied_names(module: nn.Module, state: dict[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """Add each tied parameter's other names (``lm_head.weight`` beside
+    ``transformer.wte.weight``), sharing one tensor, so ``load_state_dict`` finds every key
+    of the plain module's ``state_dict()``, as in DeepSpeed's file."""
+    first: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        if name not in state and first[id(p)] in state:
+            state[name] = state[first[id(p)]]
+    return state
 
 
 def _persistent_buffers(module: nn.Module):

@@ -225,6 +225,7 @@ def _save16(rank, world, root):
                                              .zero_optimization.model_copy(update={
                                                  "stage3_gather_16bit_weights_on_model_save": True})})
     engine.save_16bit_model(root)
+    engine.save_16bit_model(root + "/bin", "pytorch_model.bin")
     if rank == 0:
         model.config.save_pretrained(root)
     with zerotrain.zero.GatheredParameters(list(model.parameters())):
@@ -241,6 +242,12 @@ def test_save_16bit_model_writes_full_weights_that_from_pretrained_loads(worlds,
     assert set(res["expected"]) <= set(got)
     for name, value in res["expected"].items():
         assert torch.equal(got[name], value), name
+    # DeepSpeed's file name: a torch.save file that plain torch loads, tied names included
+    state = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(str(tmp_path)))
+    plain.to(torch.bfloat16).load_state_dict(state)
+    for name, value in res["expected"].items():
+        assert torch.equal(plain.get_parameter(name), value), name
 
 
 def _gathered(engine, state: str) -> int:

@@ -154,6 +154,12 @@ class GradientBuckets:
             return self.comm_dtype
         return shard.dtype
 
+    @property
+    def reduced_this_window(self) -> bool:
+        """Whether a micro-step of this accumulation window has been reduced (or deferred to
+        :meth:`collect`) since :meth:`clear`."""
+        return self._reductions > 0
+
     def clear(self) -> None:
         """Forget all gradients (after an optimizer step, applied or skipped)."""
         raise NotImplementedError

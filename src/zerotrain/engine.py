@@ -12,12 +12,27 @@ Note: micro-steps and boundaries
     its window like a skipped step (counted in both, gradients dropped, parameters
     unchanged) before ``NonFiniteGradientError`` propagates, so a loop that catches it and
     goes on starts a fresh window of ``gradient_accumulation_steps`` micro-steps.
+
+Note: no_sync
+    At stages 0 and 1 each rank accumulates the full gradient and one backward reduces it:
+    the one that ends the accumulation window. Inside ``no_sync()`` a backward only
+    accumulates, even at the boundary, and the window's next backward outside it reduces
+    the whole sum; so a loop that wraps all but a window's last backward in ``no_sync`` ends
+    bit for bit where it would without it. The loss is still divided by
+    ``gradient_accumulation_steps`` (DeepSpeed stops dividing inside ``no_sync``). A step at
+    the boundary inside ``no_sync``, or after a ``no_sync`` backward that no reducing
+    backward has followed, raises StateError instead of updating with one rank's
+    gradients; ``step()`` at other micro-steps only counts them. Stages 2 and 3 reduce-scatter
+    every backward's gradients into shards, so there ``no_sync`` refuses, as DeepSpeed's
+    does. Nesting is allowed (leaving the inner context restores the outer state, as with
+    DDP's ``no_sync``; DeepSpeed refuses re-entry).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -66,6 +81,8 @@ class ZeroEngine(nn.Module):
         self._last_outcome: Optional[StepOutcome] = None
         self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
+        self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
+        self._local_backwards = 0          # no_sync backwards no reduction has taken yet
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, _reach_totals(comm.ledger))
@@ -97,11 +114,30 @@ class ZeroEngine(nn.Module):
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 scaled = scaled / self.gradient_accumulation_steps()
             scaled = self.loss_scaler.scale(scaled)
-            self.stage.begin_backward(self.is_gradient_accumulation_boundary())
+            local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
+            self.stage.begin_backward(boundary, local=local)
             scaled.backward(retain_graph=retain_graph)
             self.stage.finish_backward()
         self._backward_in_window = True
+        if local or boundary:   # a boundary backward outside no_sync reduces them all
+            self._local_backwards = self._local_backwards + 1 if local else 0
         return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside keep their gradients on this rank; the accumulation window's next
+        backward outside reduces them with its own (Note: no_sync). Stages 0 and 1 only."""
+        if self.stage.reduces_every_micro_step:
+            raise StateError(
+                f"engine.no_sync() is not supported at ZeRO stage "
+                f"{self.zero_optimization_stage()}: it partitions gradients, reduce-scattering "
+                "each backward's gradients into shards, so none can stay local (DeepSpeed "
+                "refuses it there too); accumulate with gradient_accumulation_steps instead")
+        outer, self.inside_no_sync_ctxt = self.inside_no_sync_ctxt, True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = outer
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
@@ -178,6 +214,14 @@ class ZeroEngine(nn.Module):
         if not self._backward_in_window:
             raise StateError("engine.step() reached an accumulation boundary without any "
                              "engine.backward(loss) since the last update")
+        if self.inside_no_sync_ctxt or self._local_backwards:
+            where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
+                     f"after {self._local_backwards} backward(s) inside engine.no_sync() "
+                     "and none outside it")
+            raise StateError(f"engine.step() at an accumulation boundary {where}: this "
+                             "window's gradients were not reduced over ranks, so the update "
+                             "would use this rank's alone; run the window's last backward "
+                             "outside no_sync, then step")
         self.settle()
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
@@ -264,6 +308,7 @@ class ZeroEngine(nn.Module):
         """Drop accumulated gradients (the engine does this after every update)."""
         self.stage.zero_grad()
         self._backward_in_window = False
+        self._local_backwards = 0
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -433,6 +478,7 @@ class ZeroEngine(nn.Module):
                 setattr(self, name, value)
         self.stage.zero_grad()
         self._backward_in_window = False
+        self._local_backwards = 0
         self._last_outcome = None
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
+from ..errors import StateError
 from ..flat import Block
 from ..offload import CopyLedger, Gradients
 from ..records import FROZEN, ShardRecord   # re-exported: the stages' old home of both
@@ -48,8 +49,16 @@ class Stage(Protocol):
     optimizer: torch.optim.Optimizer
     delays_update: bool   # the update finishes at ``settle`` (offload_optimizer.dpu)
 
-    def begin_backward(self, boundary: bool) -> None:
-        """Called before each micro-step's backward; ``boundary`` if it ends accumulation."""
+    def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
+        """Called before each micro-step's backward; ``boundary`` if it ends accumulation.
+        ``local``: keep this backward's gradients on this rank, to be reduced with the
+        window's next reducing backward (``engine.no_sync``); StateError where the stage
+        cannot (``reduces_every_micro_step``) or the window was already reduced."""
+
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        """Whether every backward reduces its gradients (stages 2-3 reduce-scatter them into
+        shards), so that none can stay local to one rank."""
 
     def finish_backward(self) -> None:
         """Called after backward: every gradient of this micro-step is reduced or stored."""
@@ -132,7 +141,20 @@ class BucketedStage:
         self._blocks_left: dict[int, int] = {}
         self.buckets.on_reduced = self._on_block_reduced
 
-    def begin_backward(self, boundary: bool) -> None:
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        return self.buckets.reduces_on(False)
+
+    def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
+        if local:   # accumulate only; the window's reducing backward takes these too
+            if self.reduces_every_micro_step:
+                raise StateError("this stage reduces every backward's gradients, so none "
+                                 "can stay local")
+            if self.buckets.reduced_this_window:
+                raise StateError("a backward inside engine.no_sync() after a backward outside "
+                                 "it already reduced this accumulation window's gradients; "
+                                 "call engine.step() first")
+            boundary = False
         self._boundary = boundary
         if boundary and not self.buckets.active:
             self._squares = {}

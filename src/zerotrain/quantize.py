@@ -11,6 +11,14 @@ Note: wire format
     Dequantizing gives ``q * scale``; the error of an element is at most half its block's
     scale. Values are always rounded to nearest, so every rank decodes the same numbers.
 
+Note: exact scales
+    With ``exact_scales`` a block's scale is rounded up to 17 significant bits. Then ``q *
+    scale`` is exact in fp32 for every ``|q| <= 127``, the block's largest value decodes to
+    exactly ``127 * scale``, and quantizing the decoded values again gives the same scale and
+    the same integers: a round trip through full precision (a checkpoint, a write that
+    changes nothing) leaves the bytes as they were. The scale grows by at most 2**-16 of
+    itself, so the error bound is unchanged in practice.
+
 The optimizer never sees quantized values: it steps exact fp32 masters. Only what crosses the
 wire (parameters gathered for use, gradients on their way to the owner) is quantized.
 """
@@ -29,6 +37,7 @@ class BlockQuantizer:
 
     bits: int
     block: int = 256
+    exact_scales: bool = False   # Note: exact scales
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -58,6 +67,9 @@ class BlockQuantizer:
         x = x.view(r, nb, self.block)
         scale = x.abs().amax(dim=2) / self.qmax
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if self.exact_scales:
+            mantissa, exponent = torch.frexp(scale)
+            scale = torch.ldexp(torch.ceil(mantissa * 2.0 ** 17) / 2.0 ** 17, exponent)
         q = torch.round(x / scale.unsqueeze(2)).clamp_(-self.qmax, self.qmax)
         if self.bits == 8:
             payload = q.to(torch.int8).view(torch.uint8).view(r, -1)

@@ -12,7 +12,10 @@ def _zero(stage=3, **keys):
 
 def test_zero_plus_plus_keys_load_at_stage3():
     zero = load_config(_zero(zero_hpz_partition_size=2, zero_quantized_weights=True,
-                             zero_quantized_gradients=True), world_size=4).zero_optimization
+                             zero_quantized_gradients=True,
+                             zero_quantized_nontrainable_weights=True),
+                       world_size=4).zero_optimization
+    assert zero.zero_quantized_nontrainable_weights
     assert (zero.zero_hpz_partition_size, zero.zero_quantized_weights,
             zero.zero_quantized_gradients, zero.mics_shard_size) == (2, True, True, -1)
     assert load_config(_zero(mics_shard_size=2), world_size=4).zero_optimization \
@@ -21,6 +24,7 @@ def test_zero_plus_plus_keys_load_at_stage3():
 
 @pytest.mark.parametrize("key, value", [("zero_quantized_gradients", True),
                                         ("zero_quantized_weights", True),
+                                        ("zero_quantized_nontrainable_weights", True),
                                         ("zero_hpz_partition_size", 2),
                                         ("mics_shard_size", 2)])
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -30,7 +30,8 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
 
 
 _STAGE3_ONLY = ("zero_hpz_partition_size", "zero_quantized_weights",
-                "zero_quantized_gradients", "mics_shard_size")
+                "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+                "mics_shard_size")
 
 
 def _check_hierarchical(zero: ZeroConfig, world_size: int) -> None:
@@ -40,7 +41,8 @@ def _check_hierarchical(zero: ZeroConfig, world_size: int) -> None:
     hpz, mics = zero.zero_hpz_partition_size, zero.mics_shard_size
     active = {"zero_hpz_partition_size": hpz > 1, "zero_quantized_weights":
               zero.zero_quantized_weights, "zero_quantized_gradients":
-              zero.zero_quantized_gradients, "mics_shard_size": mics != -1}
+              zero.zero_quantized_gradients, "zero_quantized_nontrainable_weights":
+              zero.zero_quantized_nontrainable_weights, "mics_shard_size": mics != -1}
     for key in _STAGE3_ONLY:
         if active[key] and zero.stage != 3:
             raise ConfigError(f"zero_optimization.{key}", "applies to ZeRO stage 3 (partitioned "

@@ -42,7 +42,7 @@ _UNIMPLEMENTED_NAMES = {
         log_trace_cache_warnings memory_efficient_linear mics_hierarchical_params_gather
         override_module_apply pipeline_loading_checkpoint round_robin_gradients
         save_muon_momentum_buffer_in_memory use_multi_rank_bucket_allreduce zenflow
-        zero_quantized_nontrainable_weights zeropp_loco_param
+        zeropp_loco_param
         stage3_model_persistence_threshold model_persistence_threshold
         stage3_module_granularity_threshold module_granularity_threshold
         stage3_use_all_reduce_for_fetch_params use_all_reduce_for_fetch_params

@@ -58,4 +58,5 @@ class ZeroConfig(_Section):
     zero_hpz_partition_size: Size = 1        # ranks of the secondary partition (hpZ)
     zero_quantized_weights: bool = False     # int8 blocks in the parameter all-gather (qwZ)
     zero_quantized_gradients: bool = False   # int4 hierarchical reduce-scatter (qgZ)
+    zero_quantized_nontrainable_weights: bool = False   # frozen shards kept as int8
     mics_shard_size: int = Field(-1, ge=-1)  # shard within groups of this size, -1: off

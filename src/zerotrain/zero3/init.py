@@ -205,7 +205,7 @@ class GatheredParameters:
             if p.numel() == p.ds_numel:  # already whole (its unit is gathered)
                 continue
             comm = _shard_comm(p, self.comm)
-            chunk = p.ds_tensor.to(comm.device)   # offloaded shards live on the host
+            chunk = _chunk_values(p).to(comm.device)   # offloaded shards live on the host
             out = torch.empty(comm.world_size * chunk.numel(), dtype=chunk.dtype,
                               device=chunk.device)
             comm.all_gather(out, chunk.contiguous())
@@ -221,13 +221,19 @@ class GatheredParameters:
             for p in self.params:
                 full = p.data.to(self.comm.device).contiguous()
                 self.comm.broadcast(full, src=_global_rank(self.comm, self.modifier_rank))
-                p.data.copy_(full.view_as(p.data))
                 shard = _shard_comm(p, self.comm)
                 chunk = P.chunk_of(full, shard.rank, shard.world_size)
-                p.ds_tensor.copy_(chunk)
-                master = getattr(p, "ds_master", None)
-                if master is not None:
-                    master.copy_(chunk)
+                k = _frozen_index(p)
+                if k is not None:   # int8 frozen chunk: quantized again (zero3/frozen.py)
+                    frozen = p.ds_unit.frozen
+                    full = frozen.round_trip(k, full, shard.world_size)
+                    frozen.store(k, chunk)
+                else:
+                    p.ds_tensor.copy_(chunk)
+                    master = getattr(p, "ds_master", None)
+                    if master is not None:
+                        master.copy_(chunk)
+                p.data.copy_(full.view_as(p.data))   # the value every rank now decodes
                 if getattr(p, "ds_unit", None) is not None:
                     p.ds_unit.shards_changed()
         for p in self._gathered:
@@ -261,6 +267,18 @@ def unpartition(params: Iterable[nn.Parameter], comm: Communicator) -> int:
         p.ds_status = P.ZeroParamStatus.AVAILABLE
         whole += 1
     return whole
+
+
+def _frozen_index(p: nn.Parameter) -> Optional[int]:
+    """``p``'s place among its unit's int8 frozen chunks, or None."""
+    unit = getattr(p, "ds_unit", None)
+    return unit.frozen_index(p) if unit is not None else None
+
+
+def _chunk_values(p: nn.Parameter) -> torch.Tensor:
+    """This rank's chunk of ``p`` in its dtype (decoded when kept as int8)."""
+    k = _frozen_index(p)
+    return p.ds_tensor if k is None else p.ds_unit.frozen.values(k, p.dtype)
 
 
 def _shard_comm(p: nn.Parameter, world: Communicator) -> Communicator:

@@ -22,6 +22,7 @@ Note: one stage-3 step
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -63,9 +64,13 @@ class PartitionedDataParallel(BucketedStage):
         specs = build_units(module, unit_numel=int(zero_config.stage3_prefetch_bucket_size),
                             persistence_threshold=int(
                                 zero_config.stage3_param_persistence_threshold))
+        quantize_frozen = bool(zero_config.zero_quantized_nontrainable_weights)
         self.units = [Unit(spec, comm=comm, policy=policy, group_of=group_of, device=device,
-                           storage=storage, shard_storage=param_storage, wire=self.wire)
+                           storage=storage, shard_storage=param_storage, wire=self.wire,
+                           quantize_frozen=quantize_frozen)
                       for spec in specs]
+        # decoded frozen records handed to checkpoints: (unit, tensor, its version then)
+        self._decoded: list[tuple[Unit, weakref.ref, int]] = []
         # records: one per (unit, optimizer group), in unit order; frozen slices apart
         self._records: list[tuple[Unit, GroupSlice]] = [
             (u, s) for u in self.units for s in u.slices if s.group is not None]
@@ -116,9 +121,17 @@ class PartitionedDataParallel(BucketedStage):
         self.param_storage.close()
 
     def publish_parameters(self) -> None:
-        """After a load: frozen shards follow their (loaded) masters, then the records."""
+        """After a load: frozen shards follow their (loaded) masters, int8 ones are quantized
+        from what a load wrote into their records (Note: int8 frozen records), then the
+        records."""
         for unit, s in self._frozen:
             unit.refresh_slice(s, unit.master_view(s))
+        decoded, self._decoded = self._decoded, []
+        for unit, ref, version in decoded:
+            values = ref()
+            if values is not None and values._version != version:
+                unit.frozen.load_record(values)
+                unit.shards_changed()
         super().publish_parameters()
 
     def publish_record(self, k: int) -> None:
@@ -183,15 +196,35 @@ class PartitionedDataParallel(BucketedStage):
             return tensor.detach().to("cpu", copy=True).contiguous()
 
     def frozen_records(self) -> list[ShardRecord]:
-        """Frozen parameters' shards: saved and loaded like records, never stepped."""
+        """Frozen parameters' shards: saved and loaded like records, never stepped.
+
+        Note: int8 frozen records
+            A unit's int8 frozen chunks (``frozen.py``) have no fp32 master to hand out, so
+            their record's ``master`` is a new fp32 tensor of their decoded values: a save
+            writes those (a checkpoint holds full-precision numbers, readable by
+            ``consolidate`` and by a run without the key), and a load writes into it and
+            then calls ``publish_parameters``, which quantizes every such tensor a load
+            changed (its ``_version`` moved) back into place. Quantizing decoded values
+            gives the same bytes (Note "exact scales" in ``quantize.py``). The tensors are
+            held weakly: a save's are freed with its records. While a save or load holds
+            them, the frozen chunks cost 4 bytes per element again.
+        """
+        self._decoded = [d for d in self._decoded if d[1]() is not None]
         out = []
         for unit, s in self._frozen:
-            params = [unit.spec.params[i] for i in s.indices]
-            out.append(ShardRecord(
-                names=[self._names[id(p)] for p in params],
-                shapes=[tuple(p.ds_shape) for p in params], layout=s.layout,
-                master=unit.master_view(s), optimizer_state={}, group_index=FROZEN))
+            out.append(self._record(unit, s, unit.master_view(s)))
+        for unit in self.units:
+            if unit.frozen is not None:
+                values = unit.frozen.record_values()
+                self._decoded.append((unit, weakref.ref(values), values._version))
+                out.append(self._record(unit, unit.frozen.slice, values))
         return out
+
+    def _record(self, unit: Unit, s: GroupSlice, master: torch.Tensor) -> ShardRecord:
+        params = [unit.spec.params[i] for i in s.indices]
+        return ShardRecord(names=[self._names[id(p)] for p in params],
+                           shapes=[tuple(p.ds_shape) for p in params], layout=s.layout,
+                           master=master, optimizer_state={}, group_index=FROZEN)
 
     def memory_peaks(self) -> dict[str, int]:
         """Bytes of gathered parameters between forward and backward: when the last backward
@@ -204,7 +237,8 @@ class PartitionedDataParallel(BucketedStage):
         # list(): a delayed update's worker may be adding state entries meanwhile
         state = [t for st in list(self.optimizer.state.values()) for t in list(st.values())
                  if isinstance(t, torch.Tensor)]
-        shards = [u.shard for u in self.units]
+        shards = [u.shard for u in self.units] + [u.frozen.packed for u in self.units
+                                                  if u.frozen is not None]
         full = [u.full for u in self.units]
         where = self.param_storage.memory_category("parameters")
         return {"parameters": full, where: shards, "hpz_parameters": self.wire.tensors(),

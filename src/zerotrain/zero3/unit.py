@@ -4,6 +4,9 @@ Note: unit tensors
     ``master``   fp32, this rank's chunks of all the unit's parameters, laid out as one
                  ``FlatLayout`` per optimizer group side by side (``column`` offsets); the
                  optimizer steps views of it, one per group.
+    ``frozen``   with ``zero_quantized_nontrainable_weights``, the chunks of the parameters
+                 no optimizer steps, as int8 blocks (``frozen.py``); those parameters then
+                 have no columns in ``master`` and ``shard``, and ``slices`` leaves them out.
     ``shard``    the same chunks in the parameter dtype; the same tensor as ``master`` in
                  fp32 training without offload. This is what is all-gathered (copied to the
                  device first when ``offload_param`` keeps it in host memory or in a file).
@@ -47,6 +50,7 @@ from ..flat import FlatLayout
 from ..offload import Storage
 from ..precision import PrecisionPolicy
 from . import partition as P
+from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec
 from .wire import NO_BUCKET_LIMIT, UnitWire
 
@@ -71,13 +75,16 @@ class Unit:
     def __init__(self, spec: UnitSpec, *, comm: Communicator, policy: PrecisionPolicy,
                  group_of: dict[int, Optional[int]], device: torch.device,
                  storage: Storage, shard_storage: Storage,
-                 wire: Optional[UnitWire] = None) -> None:
+                 wire: Optional[UnitWire] = None, quantize_frozen: bool = False) -> None:
         self.spec = spec
         self.comm = comm
         self.wire = wire or UnitWire(comm)   # how full values are gathered (wire.py)
         self.policy = policy
         self.device = device
-        self.slices = self._group_slices(group_of)
+        self.slices, apart = self._group_slices(group_of, frozen_apart=quantize_frozen)
+        self.frozen: Optional[QuantizedSlice] = None
+        if apart is not None:
+            self.frozen = QuantizedSlice(apart, storage=shard_storage, dtype=policy.param_dtype)
         self.shard_numel = sum(s.layout.shard_numel for s in self.slices)
         self.numel = spec.numel
         self.master = self._initial_master(storage)
@@ -104,41 +111,56 @@ class Unit:
             self.finish_gather()
 
     # ------------------------------------------------------------------ set-up
-    def _group_slices(self, group_of: dict[int, Optional[int]]) -> list[GroupSlice]:
+    def _group_slices(self, group_of: dict[int, Optional[int]], *, frozen_apart: bool
+                      ) -> tuple[list[GroupSlice], Optional[GroupSlice]]:
+        """The slices kept in ``master``/``shard``, columns side by side; with
+        ``frozen_apart`` the frozen slice is returned apart (column 0 of its own)."""
         by_group: dict[Optional[int], list[int]] = {}
         for i, p in enumerate(self.spec.params):
             by_group.setdefault(group_of.get(id(p)), []).append(i)
-        slices, column = [], 0
+        slices, column, apart = [], 0, None
         for group, indices in by_group.items():
             layout = FlatLayout([P.full_numel(self.spec.params[i]) for i in indices],
                                 world=self.comm.world_size, bucket_numel=NO_BUCKET_LIMIT)
+            if group is None and frozen_apart:
+                apart = GroupSlice(group, indices, layout, 0)
+                continue
             slices.append(GroupSlice(group, indices, layout, column))
             column += layout.shard_numel
-        return slices
+        return slices, apart
 
     def _initial_master(self, storage: Storage) -> torch.Tensor:
         """fp32 chunks, from zero.Init's chunks or from the full parameters."""
         master = storage.zeros(self.shard_numel, self.policy.master_dtype)
-        rank, world = self.comm.rank, self.comm.world_size
         for s in self.slices:
             for slot, i in zip(s.layout.slots, s.indices):
-                p = self.spec.params[i]
-                if P.is_partitioned(p) and p.numel() != 0:
-                    raise ValueError(
-                        f"parameter {self.spec.names[i]!r} was partitioned by zero.Init and then "
-                        "given a full .data outside zero.GatheredParameters; that value would "
-                        "be lost: write it inside zero.GatheredParameters(params, "
-                        "modifier_rank=0) or with an in-place operation")
-                chunk = p.ds_tensor if P.is_partitioned(p) else P.chunk_of(p.data, rank, world)
-                if chunk.numel() != slot.chunk:
-                    raise StateError(
-                        f"a parameter of unit {self.spec.name or '<root>'!r} was partitioned "
-                        f"by zero.Init into chunks of {chunk.numel()} elements, but stage 3 "
-                        f"shards it over {world} ranks (mics_shard_size): build the model "
-                        "outside zero.Init")
                 where = s.layout.shard_slice(slot)
-                master[s.column + where.start: s.column + where.stop] = chunk.to(master)
+                master[s.column + where.start: s.column + where.stop] = \
+                    self._initial_chunk(i, slot.chunk).to(master)
+        if self.frozen is not None:   # quantized once; the full-precision chunk is dropped
+            for k, (slot, i) in enumerate(zip(self.frozen.slice.layout.slots,
+                                              self.frozen.indices)):
+                self.frozen.store(k, self._initial_chunk(i, slot.chunk))
         return master
+
+    def _initial_chunk(self, i: int, numel: int) -> torch.Tensor:
+        """This rank's chunk of parameter ``i``: zero.Init's, or cut from the parameter."""
+        rank, world = self.comm.rank, self.comm.world_size
+        p = self.spec.params[i]
+        if P.is_partitioned(p) and p.numel() != 0:
+            raise ValueError(
+                f"parameter {self.spec.names[i]!r} was partitioned by zero.Init and then "
+                "given a full .data outside zero.GatheredParameters; that value would "
+                "be lost: write it inside zero.GatheredParameters(params, "
+                "modifier_rank=0) or with an in-place operation")
+        chunk = p.ds_tensor if P.is_partitioned(p) else P.chunk_of(p.data, rank, world)
+        if chunk.numel() != numel:
+            raise StateError(
+                f"a parameter of unit {self.spec.name or '<root>'!r} was partitioned "
+                f"by zero.Init into chunks of {chunk.numel()} elements, but stage 3 "
+                f"shards it over {world} ranks (mics_shard_size): build the model "
+                "outside zero.Init")
+        return chunk
 
     def _attach(self) -> None:
         """DeepSpeed-style attributes; ``ds_tensor`` is a view of this rank's chunk."""
@@ -149,6 +171,26 @@ class Unit:
                 p.ds_tensor = self.shard[s.column + where.start: s.column + where.stop]
                 p.ds_master = self.master[s.column + where.start: s.column + where.stop]
                 p.ds_unit = self
+        if self.frozen is not None:   # DeepSpeed's ds_tensor is the int8 chunk here too
+            for k, i in enumerate(self.frozen.indices):
+                p = self.spec.params[i]
+                p.ds_tensor = self.frozen._row(k)
+                p.ds_master = None
+                p.ds_unit = self
+
+    def frozen_index(self, p: torch.Tensor) -> Optional[int]:
+        """``p``'s position in the quantized frozen slice, or None when it has a shard."""
+        if self.frozen is None:
+            return None
+        for k, i in enumerate(self.frozen.indices):
+            if self.spec.params[i] is p:
+                return k
+        return None
+
+    def frozen_on_device(self):
+        """The packed frozen chunks on the gather device, and the context to launch their
+        collective in (as ``shard_on_device``)."""
+        return self._send(self.frozen.packed, self.device)
 
     def master_view(self, s: GroupSlice) -> torch.Tensor:
         return self.master[s.column: s.column + s.layout.shard_numel]

@@ -23,7 +23,10 @@ Note: gathering in place
     parameters' views read the values where the collective wrote them. The same holds for
     the secondary partition (its chunks have the same structure over H ranks). Only qwZ
     copies: its int8 rows have to be decoded anyway, and the decoded values are written
-    into the views (``DequantizingGathering``).
+    into the views (``DequantizingGathering``). So do frozen parameters kept as int8
+    (``zero_quantized_nontrainable_weights``, ``frozen.py``): their packed chunks go out as
+    they are stored, in a second collective of the same launch, and are decoded into their
+    segments (``FrozenGathering``).
 """
 from __future__ import annotations
 
@@ -82,6 +85,35 @@ class DequantizingGathering:
                     s.layout.copy_block_into_full(cols, slot, self._views[i])
 
 
+class FrozenGathering:
+    """A unit's packed int8 frozen chunks in flight (Note "quantized frozen shards" in
+    ``frozen.py``); ``wait()`` decodes every rank's rows into the parameters' segments."""
+
+    def __init__(self, work, rows: torch.Tensor, frozen, segments: Sequence[torch.Tensor],
+                 world: int) -> None:
+        self._work = work
+        self._rows = rows
+        self._frozen = frozen
+        self._segments = segments
+        self._world = world
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        self._frozen.decode_into(self._rows, self._segments, self._world)
+
+
+class Gatherings:
+    """Several gatherings of one unit, finished in launch order."""
+
+    def __init__(self, parts: Sequence) -> None:
+        self._parts = list(parts)
+
+    def wait(self) -> None:
+        for part in self._parts:
+            part.wait()
+
+
 def gather_pieces(slices: Sequence, segments: Sequence[torch.Tensor], shard: torch.Tensor,
                   world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per parameter with elements: where its gather lands (the first ``world * chunk``
@@ -127,15 +159,32 @@ class UnitWire:
     def start(self, unit, *, label: str):
         """Launch the unit's gather into its ``full`` buffer, whose storage has its bytes
         (collective over the group, asynchronous); ``wait()`` on the result finishes it."""
-        shard, launch = unit.shard_on_device()
-        with _after_compute(launch, unit.device):
-            if self._quantized is not None:
-                return DequantizingGathering(self._quantized.start(shard, label=label),
-                                             unit.slices, unit.views)
-            outputs, inputs = gather_pieces(unit.slices, unit.segments, shard,
-                                            self.comm.world_size)
-            return InPlaceGathering(self.comm.all_gather_into_many(outputs, inputs,
-                                                                   label=label))
+        parts = []
+        if unit.shard_numel:
+            shard, launch = unit.shard_on_device()
+            with _after_compute(launch, unit.device):
+                if self._quantized is not None:
+                    parts.append(DequantizingGathering(
+                        self._quantized.start(shard, label=label), unit.slices, unit.views))
+                else:
+                    outputs, inputs = gather_pieces(unit.slices, unit.segments, shard,
+                                                    self.comm.world_size)
+                    parts.append(InPlaceGathering(self.comm.all_gather_into_many(
+                        outputs, inputs, label=label)))
+        return self._with_frozen(parts, unit, label)
+
+    def _with_frozen(self, parts: list, unit, label: str) -> Gatherings:
+        """Add the gather of the unit's int8 frozen chunks, from the primary partition."""
+        if unit.frozen is not None and unit.frozen.packed.numel():
+            packed, launch = unit.frozen_on_device()
+            world = self.comm.world_size
+            out = torch.empty(world * packed.numel(), dtype=packed.dtype, device=packed.device)
+            with _after_compute(launch, unit.device):
+                work = self.comm.all_gather(out, packed, async_op=True,
+                                            label=f"{label} (int8 frozen)")
+            parts.append(FrozenGathering(work, out.view(world, -1), unit.frozen,
+                                         unit.segments, world))
+        return Gatherings(parts)
 
     def gathered(self, unit, views: Sequence[torch.Tensor]) -> None:
         """The unit's full values are in ``views`` (one per parameter)."""
@@ -175,8 +224,9 @@ class SecondaryPartitionWire(UnitWire):
             return super().start(unit, label=label)
         outputs, inputs = gather_pieces(kept.slices, unit.segments, kept.shard,
                                         self.secondary.world_size)
-        return InPlaceGathering(self.secondary.all_gather_into_many(
-            outputs, inputs, label=f"{label} (hpZ)"))
+        parts = [InPlaceGathering(self.secondary.all_gather_into_many(
+            outputs, inputs, label=f"{label} (hpZ)"))] if outputs else []
+        return self._with_frozen(parts, unit, label)   # int8 frozen: primary partition
 
     def gathered(self, unit, views: Sequence[torch.Tensor]) -> None:
         if unit.spec.persistent or not unit.spec.params:

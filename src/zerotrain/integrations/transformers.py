@@ -17,6 +17,9 @@ Note: who does what
       once per micro-batch; here it is ``engine.backward(loss, scale_wrt_gas=False)`` then
       ``engine.step()``, as accelerate does for DeepSpeed. The Trainer has already divided
       the loss for accumulation, hence ``scale_wrt_gas=False``.
+    * ``accelerator.no_sync`` (replaced the same way) does nothing, as the Trainer does
+      under DeepSpeed: the engine reduces at its own accumulation boundary, and
+      ``engine.no_sync()`` refuses at stages 2-3.
     * ``_prepare_for_training`` builds the engine instead of ``accelerator.prepare``;
       ``_wrap_model`` hands the engine to the evaluation loop too.
     * ``_clip_grad_norm``/``_get_grad_norm`` report the engine's global norm (it clipped).
@@ -33,6 +36,7 @@ Note: short last window
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -146,6 +150,7 @@ class ZeroTrainer(Trainer):
         self._client_optimizer, self._client_scheduler = self.optimizer, self.lr_scheduler
         self._scheduler_view: Optional[EngineSchedulerView] = None
         self.accelerator.backward = self._engine_backward  # Note: who does what
+        self.accelerator.no_sync = lambda model=None: contextlib.nullcontext()
         self.zerotrain_config()  # disagreements with the arguments fail here, on every rank
 
     # ------------------------------------------------------------------ config

@@ -9,7 +9,8 @@ Note: parameter chunks
 
     While partitioned, ``param.data`` is an empty tensor of the parameter's dtype (touching
     it fails loudly instead of reading stale values) and the DeepSpeed attributes describe the
-    full parameter: ``ds_shape``, ``ds_numel``, and ``ds_tensor`` (this rank's chunk).
+    full parameter: ``ds_shape``, ``ds_numel``, and ``ds_tensor`` (this rank's chunk; for a
+    frozen parameter kept as int8, ``zero3/frozen.py``, its packed bytes, as in DeepSpeed).
     ``param.shape`` is therefore ``(0,)``: read full values inside
     ``zero.GatheredParameters``. Code written for DeepSpeed also finds ``ds_id`` (a number
     unique in the process) and ``ds_status`` (a :class:`ZeroParamStatus`, kept current by

@@ -178,8 +178,9 @@ class UnitWire:
         if unit.frozen is not None and unit.frozen.packed.numel():
             packed, launch = unit.frozen_on_device()
             world = self.comm.world_size
-            out = torch.empty(world * packed.numel(), dtype=packed.dtype, device=packed.device)
             with _after_compute(launch, unit.device):
+                out = torch.empty(world * packed.numel(), dtype=packed.dtype,
+                                  device=packed.device)
                 work = self.comm.all_gather(out, packed, async_op=True,
                                             label=f"{label} (int8 frozen)")
             parts.append(FrozenGathering(work, out.view(world, -1), unit.frozen,

@@ -225,8 +225,8 @@ def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
                           "optimizer=...); remove one")
     if optimizer is None and cfg.optimizer is None and (
             lr_scheduler is not None or cfg.scheduler is not None):
-        raise ConfigError("scheduler", "a scheduler needs an optimizer: add an 'optimizer' "
-                          "section to the config or pass initialize(optimizer=...)")
+        raise ConfigError("optimizer", "missing, but a scheduler needs one: add an "
+                          "'optimizer' section to the config or pass initialize(optimizer=...)")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler", "given both in the config and as initialize("
                           "lr_scheduler=...); remove one")

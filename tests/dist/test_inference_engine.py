@@ -80,4 +80,4 @@ def _scheduler_without_optimizer_job(rank: int, world: int) -> str:
 
 def test_scheduler_without_optimizer_is_a_config_error(worlds):
     for message in worlds.run(2, _scheduler_without_optimizer_job):
-        assert message.startswith("scheduler") and "needs an optimizer" in message
+        assert message.startswith("optimizer") and "a scheduler needs one" in message

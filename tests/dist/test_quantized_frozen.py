@@ -260,3 +260,36 @@ def test_with_parameter_offload_persistent_units_and_qwz(worlds):
             # qwZ rounds the frozen values on the wire either way, in other blocks: 2.6e-3
             assert quant["losses"] == pytest.approx(exact["losses"], rel=5e-3), name
             assert quant["packed"] > 0, name
+
+
+def _load_deepspeed(rank, world, fixtures):
+    import sys
+    sys.path.insert(0, fixtures)
+    import make_deepspeed_ckpts as M
+    import zerotrain
+    case = "z3_frozen_fp32_w2"   # DeepSpeed ZeRO-3 with a frozen norm (tests/fixtures)
+    model = M.make_model(seed=1)
+    model.norm.requires_grad_(False)
+    with torch.no_grad():
+        model.norm.weight.fill_(3.0)   # the load must replace it
+        model.norm.bias.fill_(-3.0)
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 5e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "zero_quantized_nontrainable_weights": True}}
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
+                                      config=config)
+    engine.load_checkpoint(f"{fixtures}/deepspeed_ckpts/{case}/checkpoint",
+                           tag="global_step3", load_optimizer_states=False)
+    return full_values(engine)
+
+
+def test_a_deepspeed_checkpoint_loads_into_int8_frozen_parameters(worlds):
+    import os
+    from safetensors.torch import load_file
+    fixtures = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
+    # the frozen norm never changes, so DeepSpeed's value after training is the saved one
+    saved = load_file(f"{fixtures}/deepspeed_ckpts/z3_frozen_fp32_w2/expected.safetensors")
+    for full in worlds.run(2, _load_deepspeed, fixtures):
+        for name in ("norm.weight", "norm.bias"):
+            assert torch.equal(full[name], rounded(saved[name], 2)), name

@@ -42,3 +42,22 @@ def test_bad_arguments_are_named():
         BlockQuantizer(2)
     with pytest.raises(ValueError, match="packed row of 8 values"):
         BlockQuantizer(8, 4).dequantize(torch.zeros(1, 3, dtype=torch.uint8), 8, torch.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([4, 8]), numel=st.integers(1, 600), seed=st.integers(0, 1000),
+       exponent=st.integers(-30, 30))
+def test_exact_scales_make_a_decode_encode_round_trip_give_the_same_bytes(bits, numel, seed,
+                                                                          exponent):
+    q = BlockQuantizer(bits, 256, exact_scales=True)
+    x = torch.randn(2, numel, generator=torch.Generator().manual_seed(seed)) * 2.0 ** exponent
+    packed = q.quantize(x)
+    back = q.dequantize(packed, numel, torch.float32)
+    assert torch.equal(q.quantize(back), packed)
+    padded = torch.zeros(2, q.blocks(numel) * 256)
+    padded[:, :numel] = x
+    scale = padded.view(2, -1, 256).abs().amax(2, keepdim=True) / q.qmax
+    bound = (scale / 2).expand(-1, -1, 256).reshape(2, -1)[:, :numel]
+    assert ((back - x).abs() <= bound * (1 + 2.0 ** -15)).all()
+    # the same packed size as without them
+    assert BlockQuantizer(bits, 256).packed_nbytes(numel) == packed.shape[1]

@@ -305,12 +305,25 @@ def _corrupt(root, name, edit):
 
 
 def _retype_master(tag_dir, manifest):
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     path = os.path.join(tag_dir, "rank00001.safetensors")
     tensors = load_file(path)
+    with safe_open(path, framework="pt") as f:   # keep its rank and save id
+        metadata = f.metadata()
     tensors["rec0/master"] = tensors["rec0/master"].double()
-    save_file(tensors, path)
+    save_file(tensors, path, metadata=metadata)
     manifest["file_sizes"]["rank00001.safetensors"] = os.path.getsize(path)
+
+
+def _replace_rank1_file(source):
+    """Copy ``source(tag_dir)`` over rank 1's file and record its size, as a file copied
+    from elsewhere can match the recorded size."""
+    def edit(tag_dir, manifest):
+        path = os.path.join(tag_dir, "rank00001.safetensors")
+        shutil.copy(source(tag_dir), path)
+        manifest["file_sizes"]["rank00001.safetensors"] = os.path.getsize(path)
+    return edit
 
 
 CORRUPTIONS = {
@@ -319,6 +332,9 @@ CORRUPTIONS = {
     "traversal": lambda d, m: m["records"][0]["files"].__setitem__(1, "../../secret"),
     "dtype": lambda d, m: m["records"][0].__setitem__("dtype", "F16"),
     "file_dtype": _retype_master,
+    "swapped": _replace_rank1_file(lambda d: os.path.join(d, "rank00000.safetensors")),
+    "other_save": _replace_rank1_file(lambda d: os.path.join(
+        os.path.dirname(os.path.dirname(d)), "later", "global_step2", "rank00001.safetensors")),
 }
 
 
@@ -328,6 +344,8 @@ def _error_job(rank, world, root):
     _train(engine, rank, ga=1, first=0, steps=1)
     good = os.path.join(root, "good")
     engine.save_checkpoint(good)
+    _train(engine, rank, ga=1, first=1, steps=1)
+    engine.save_checkpoint(os.path.join(root, "later"))
     if rank == 0:
         for name, edit in CORRUPTIONS.items():
             _corrupt(root, name, edit)
@@ -368,6 +386,12 @@ def test_bad_checkpoints_raise_named_errors_on_every_rank(worlds, tmp_path):
         assert "rank00000.safetensors" in out["missing"] and "missing" in out["missing"]
         assert "outside the checkpoint directory" in out["traversal"], out["traversal"]
         assert "F16" in out["dtype"], out["dtype"]
+        # a file from another rank or another save, with the recorded size, is refused
+        reader_of_file1 = rank == 1   # the other rank names it
+        assert ("holds rank 0's shards, not rank 1's" if reader_of_file1 else "rank 1") in \
+            out["swapped"], out["swapped"]
+        assert ("not written by the save" if reader_of_file1 else "rank 1") in \
+            out["other_save"], out["other_save"]
         assert out["file_dtype"] and ("F64" in out["file_dtype"] or "rank 1" in
                                       out["file_dtype"]), out["file_dtype"]
         assert "'hidden.weight'" in out["wider"] and "(30, 13)" in out["wider"], out["wider"]

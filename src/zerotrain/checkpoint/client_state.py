@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .manifest import NOT_SCALAR, CheckpointError, check_json_key, json_scalar, safe_file
+from .manifest import (NOT_SCALAR, CheckpointError, check_json_key, file_identity_check,
+                       json_scalar, safe_file)
 from .stfile import DTYPE_NAMES, Reader, specs_of, write_file
 
 FILE = "client_state.safetensors"
@@ -103,10 +104,10 @@ def _encode_numpy(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> An
 
 
 # --------------------------------------------------------------------------- save / load
-def write(directory: str, tensors: dict[str, torch.Tensor]) -> int:
+def write(directory: str, tensors: dict[str, torch.Tensor], save_id: str) -> int:
     """Write the client-state tensors into ``directory``; the file size in bytes."""
     return write_file(os.path.join(directory, FILE), specs_of(tensors.items()),
-                      lambda spec: tensors[spec.key])
+                      lambda spec: tensors[spec.key], metadata={"save": save_id})
 
 
 def load(manifest: dict, tag_dir: str) -> dict:
@@ -116,7 +117,7 @@ def load(manifest: dict, tag_dir: str) -> dict:
     if name is None:
         return decode(saved, _no_tensors(tag_dir))
     safe_file(tag_dir, name, what=f"{tag_dir} manifest client_state_file")
-    with Reader(tag_dir) as reader:
+    with Reader(tag_dir, on_open=file_identity_check(manifest, tag_dir)) as reader:
         return decode(saved, lambda key: reader.read(name, key))
 
 

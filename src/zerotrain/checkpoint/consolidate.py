@@ -26,7 +26,7 @@ import torch
 
 from . import fs
 from .deepspeed import DeepSpeedExport, find_tag_dir
-from .manifest import MANIFEST_NAME, CheckpointError, read_manifest
+from .manifest import MANIFEST_NAME, CheckpointError, file_identity_check, read_manifest
 from .reshard import SourceIndex
 from .stfile import DTYPES_BY_NAME, Reader, TensorSpec, write_file
 
@@ -93,7 +93,7 @@ def iter_fp32_tensors(checkpoint_dir: str, tag: Optional[str] = None
     path = resolve_checkpoint(checkpoint_dir, tag)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
-    with Reader(path) as reader:
+    with Reader(path, on_open=file_identity_check(manifest, path)) as reader:
         for spec in export_specs(manifest):
             yield spec.key, read_full(index, reader, spec)
 
@@ -151,7 +151,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
     path = resolve_checkpoint(checkpoint_dir, tag)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
-    with Reader(path) as reader:
+    with Reader(path, on_open=file_identity_check(manifest, path)) as reader:
         return write_hf(export_specs(manifest), lambda spec: read_full(index, reader, spec),
                         output_dir, max_shard_size, hf_config=manifest.get("hf_config"))
 

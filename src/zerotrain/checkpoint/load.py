@@ -30,7 +30,7 @@ import torch
 
 from ..records import FROZEN
 from . import client_state, deepspeed, fs, rng
-from .manifest import CheckpointError, read_manifest
+from .manifest import CheckpointError, file_identity_check, read_manifest
 from .match import check_group_values, check_groups, check_model
 from .reshard import SourceIndex, target_range
 from .state import COUNTERS, CheckpointReport, LoadResult, TrainingState, shard_rank
@@ -109,7 +109,7 @@ def _stage(state: TrainingState, path: str, *, with_optimizer: bool, with_small:
     if with_optimizer:
         check_groups(manifest, state.optimizer.param_groups, path)
     staged = _Staged(manifest=manifest, report=CheckpointReport(path=path))
-    with Reader(path) as reader:
+    with Reader(path, on_open=file_identity_check(manifest, path)) as reader:
         for record in records:
             _stage_record(state, index, reader, record, staged, with_optimizer=(
                 with_optimizer and record.group_index != FROZEN))

@@ -17,7 +17,7 @@ import json
 import math
 import numbers
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import CheckpointError  # defined there; importable from here too
 
@@ -138,6 +138,9 @@ def validate(manifest: Any, tag_dir: str) -> None:
     if manifest["format"] != FORMAT or manifest["version"] != VERSION:
         raise CheckpointError(f"{where}: format {manifest['format']!r} version "
                               f"{manifest['version']!r} is not {FORMAT!r} version {VERSION}")
+    if not isinstance(manifest.get("save_id", ""), str):
+        raise CheckpointError(f"{where}: field 'save_id' should be str, got "
+                              f"{type(manifest['save_id']).__name__}")
     for key in COUNTERS:
         if not _is_count(manifest["counters"].get(key)):
             raise CheckpointError(f"{where}: counters.{key} is missing or not a count")
@@ -165,6 +168,30 @@ def validate(manifest: Any, tag_dir: str) -> None:
         if found != size:
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: "
                                   f"{found} bytes, the manifest recorded {size}")
+
+
+def file_identity_check(manifest: dict, tag_dir: str) -> Callable[[str, dict], None]:
+    """A check for each file a load opens (``Reader(on_open=...)``): a rank file must be the
+    one its name says (its ``rank`` metadata), and every file must come from the save that
+    wrote the manifest (its ``save`` metadata equals the manifest's ``save_id``). So a file
+    copied in from another rank or another checkpoint, which can have the recorded size,
+    is refused by name instead of loading the wrong shards. Checkpoints written before
+    ``save_id`` existed are checked for the rank only."""
+    rank_of = {name: str(r) for r, name in enumerate(manifest["rank_files"])}
+    save_id = manifest.get("save_id")
+
+    def check(filename: str, metadata: dict) -> None:
+        path = os.path.join(tag_dir, filename)
+        rank = metadata.get("rank")
+        if filename in rank_of and rank is not None and rank != rank_of[filename]:
+            raise CheckpointError(f"checkpoint file {path} holds rank {rank}'s shards, not "
+                                  f"rank {rank_of[filename]}'s: was it copied or renamed?")
+        if save_id is not None and metadata.get("save") != save_id:
+            raise CheckpointError(f"checkpoint file {path} was not written by the save that "
+                                  f"wrote {os.path.join(tag_dir, MANIFEST_NAME)} (save "
+                                  f"{metadata.get('save')!r}, manifest {save_id!r}): it "
+                                  "comes from another checkpoint")
+    return check
 
 
 def _check_fields(obj: Any, required: dict, where: str) -> None:

@@ -77,7 +77,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     tmp = fs.temp_dir(save_dir, tag, everyone[0]["nonce"])
     outcome: dict[str, Any] = {"error": None, "size": 0}
     try:
-        outcome["size"] = _write_rank_file(tmp, state, records)
+        outcome["size"] = _write_rank_file(tmp, state, records, everyone[0]["nonce"])
         fs.crash_point("file")
     except (CheckpointError, OSError) as exc:
         outcome["error"] = f"rank {comm.rank}: {exc}"
@@ -124,13 +124,14 @@ def _finish_on_rank0(state: TrainingState, save_dir: str, tmp: str, tag: str,
         return {"error": errors[0], "bytes": 0, "path": None}
     try:
         sizes = {rank_file(r): w["size"] for r, w in enumerate(written)}
+        save_id = everyone[0]["nonce"]
         frozen, buffers, sizes[MODULE_FILE] = _write_module_file(tmp, state.module,
-                                                                 everyone[0]["records"])
+                                                                 everyone[0]["records"], save_id)
         if client_tensors:
-            sizes[client.FILE] = client.write(tmp, client_tensors)
+            sizes[client.FILE] = client.write(tmp, client_tensors, save_id)
             small = {**small, "client_state_file": client.FILE}
         manifest = _manifest(state, tag, everyone[0]["records"], sizes, small)
-        manifest.update(frozen=frozen, buffers=buffers)
+        manifest.update(frozen=frozen, buffers=buffers, save_id=save_id)
         nbytes = _write_json(os.path.join(tmp, MANIFEST_NAME), manifest)
         path = fs.publish(save_dir, tmp, tag, everyone[0]["nonce"], save_latest=save_latest)
     except (CheckpointError, OSError) as exc:
@@ -163,8 +164,9 @@ def _record_meta(record) -> dict:
             "state_tensors": tensors, "state_scalars": scalars, "state_none": nones}
 
 
-def _write_rank_file(tmp: str, state: TrainingState, records) -> int:
-    """This rank's master shards and optimizer state (records it writes) and its RNG."""
+def _write_rank_file(tmp: str, state: TrainingState, records, save_id: str) -> int:
+    """This rank's master shards and optimizer state (records it writes) and its RNG;
+    ``save_id`` (the manifest's too) ties the file to this save."""
     items: list[tuple[str, torch.Tensor]] = []
     for i, record in enumerate(records):
         if not writes_record(record.layout, state.comm):
@@ -175,15 +177,15 @@ def _write_rank_file(tmp: str, state: TrainingState, records) -> int:
     rng_tensors, rng_meta = rng.capture()
     items += list(rng_tensors.items())
     by_key = dict(items)
-    meta = {"format": FORMAT, "rank": str(state.comm.rank), "rng": rng_meta}
+    meta = {"format": FORMAT, "rank": str(state.comm.rank), "rng": rng_meta, "save": save_id}
     size = write_file(os.path.join(tmp, rank_file(state.comm.rank)), specs_of(items),
                       lambda spec: by_key[spec.key].detach(), metadata=meta)
     fsync_dir(tmp)   # this rank's directory entry, also where rank 0 is on another node
     return size
 
 
-def _write_module_file(tmp: str, module: torch.nn.Module,
-                       metas: list[dict]) -> tuple[list, list, int]:
+def _write_module_file(tmp: str, module: torch.nn.Module, metas: list[dict],
+                       save_id: str) -> tuple[list, list, int]:
     """Frozen parameters (those in no record) and persistent buffers, as they are."""
     in_records = {name for meta in metas for name in meta["names"]}
     persistent = set(module.state_dict().keys())
@@ -203,7 +205,7 @@ def _write_module_file(tmp: str, module: torch.nn.Module,
                         "dtype": dtype_name(tensor.dtype)})
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
     size = write_file(os.path.join(tmp, MODULE_FILE), specs, lambda s: tensors[s.key],
-                      metadata={"format": FORMAT})
+                      metadata={"format": FORMAT, "save": save_id})
     return frozen, buffers, size
 
 

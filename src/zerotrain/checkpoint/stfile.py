@@ -115,8 +115,12 @@ class Reader:
     that it read only the ranges it needed.
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str,
+                 on_open: Optional[Callable[[str, dict], None]] = None) -> None:
+        """``on_open(filename, metadata)`` checks each file as it is first opened (the
+        checkpoint loader's provenance check) and raises to refuse it."""
         self.directory = directory
+        self._on_open = on_open
         self.elements_read = 0
         self.bytes_read = 0
         self._stack = ExitStack()
@@ -147,6 +151,8 @@ class Reader:
             except (SafetensorError, OSError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint file {path} is corrupted or truncated: "
                                       f"{exc}") from exc
+            if self._on_open is not None:
+                self._on_open(filename, self._open[filename].metadata() or {})
         return self._open[filename]
 
     def check(self, filename: str, key: str, dtype: torch.dtype,

@@ -233,3 +233,68 @@ def test_auto_resume_walks_older_deepspeed_tags_newest_first_and_never_starts_ov
     assert results[0]["continued"] == [
         f"auto-resume: continued from {os.path.join(roots['fallback'], 'global_step10')} "
         f"at step {M.BEFORE}"]
+
+
+def _failed_load_job(rank, world):
+    """Rank 1's reads fail midway (a disk error on its third read): every rank raises and
+    no rank's masters, Adam state, parameters, hyperparameters or counters change."""
+    import zerotrain
+    from zerotrain.checkpoint.deepspeed.source import DeepSpeedCheckpoint
+
+    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
+        config = json.load(f)["config"]
+    model = M.make_model(seed=1)
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
+                                      config=dict(config, zero_optimization={"stage": 2}))
+    x, y = M.micro_batch(0, rank, 0, world=world, gas=1, size=config[
+        "train_micro_batch_size_per_gpu"])
+    engine.backward(engine(x, y))
+    engine.step()
+
+    def everything():
+        state = _engine_state(engine)
+        for g, group in enumerate(engine.optimizer.param_groups):
+            for i, master in enumerate(group["params"]):
+                state[f"master.{g}.{i}"] = master.detach().clone()
+            state[f"group.{g}"] = torch.tensor([float(v) for k, v in sorted(group.items())
+                                                if isinstance(v, (int, float))])
+        return state
+
+    before = everything()
+    original, calls = DeepSpeedCheckpoint.read_into, [0]
+
+    def failing(self, *args, **kwargs):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            raise OSError(5, "Input/output error")
+        return original(self, *args, **kwargs)
+
+    DeepSpeedCheckpoint.read_into = failing
+    try:
+        engine.load_checkpoint(os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint"),
+                               tag=f"global_step{M.BEFORE}")
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the point of the test
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        DeepSpeedCheckpoint.read_into = original
+    after = everything()
+    unchanged = sorted(before) == sorted(after) and all(
+        torch.equal(before[k], after[k]) for k in before)
+    engine.load_checkpoint(os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint"),
+                           tag=f"global_step{M.BEFORE}")
+    loads_after = engine.global_steps == M.BEFORE
+    engine.close()
+    return {"error": error, "unchanged": unchanged, "reads": calls[0],
+            "loads_after": loads_after}
+
+
+def test_a_deepspeed_load_failing_midway_on_one_rank_changes_nothing_on_any(worlds):
+    results = worlds.run(2, _failed_load_job)
+    for rank, res in enumerate(results):
+        assert res["error"] is not None, res
+        assert res["unchanged"], (rank, res)
+        assert res["loads_after"], res
+    assert "Input/output error" in results[1]["error"]
+    assert "rank 1 could not read" in results[0]["error"]
+    assert results[0]["reads"] > 3     # rank 0 read everything before the agreement

@@ -1,20 +1,22 @@
 """Load a DeepSpeed ZeRO checkpoint into a running zerotrain job, at any world size and stage.
 
-Order (all ranks call it; the same as ``checkpoint/load.py``):
+Order (all ranks call it; Note "stage, agree, commit" in ``checkpoint/load.py``):
 1. open the tag (every file, memory-mapped, through the restricted unpickler) and check the
-   model's names and shapes: local work, so a bad checkpoint raises on every rank before
-   any collective;
-2. for every shard record of this rank, copy its element ranges of the fp32 masters and of
-   Adam's moments out of DeepSpeed's partitions (``layout.py``, Note: DeepSpeed's
-   partitions); frozen parameters and buffers from the model-states file;
-3. one scalar all-reduce: if any rank failed, every rank raises;
-4. ``stage.publish_parameters()`` (collective) writes the masters into the module;
-5. hyperparameters, loss scaler, scheduler; the counters go back to the engine.
+   model's names and shapes;
+2. stage: for every shard record of this rank, read its element ranges of the fp32 masters
+   and of Adam's moments out of DeepSpeed's partitions (``layout.py``, Note: DeepSpeed's
+   partitions) into new tensors; frozen parameters and buffers from the model-states
+   file; hyperparameters, loss scaler and scheduler state, counters and client state;
+   nothing of the training state changes;
+3. one scalar all-reduce: if any rank failed, every rank raises, the state as it was;
+4. commit: copies and assignments that cannot fail, then ``stage.publish_parameters()``
+   (collective) writes the masters into the module.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -33,36 +35,95 @@ def load_deepspeed_checkpoint(state: TrainingState, path: str, *,
                               load_optimizer_states: bool = True,
                               load_lr_scheduler_states: bool = True,
                               load_module_only: bool = False) -> LoadResult:
-    """Load DeepSpeed tag directory ``path`` into ``state``. Collective."""
+    """Load DeepSpeed tag directory ``path`` into ``state``. Collective; a load that raises
+    leaves every tensor, hyperparameter and counter as it was."""
     start = time.perf_counter()
-    ckpt = DeepSpeedCheckpoint(path)
-    records = state.stage.shard_records() + state.stage.frozen_records()
-    check_model(ckpt, state.module, records)
     with_optimizer = load_optimizer_states and not load_module_only
-    if with_optimizer:
-        _check_optimizer(ckpt, state, records)
+    staged: Optional[_Staged] = None
     failure: Optional[BaseException] = None
-    elements = 0
     try:
-        for record in records:
-            elements += _load_record(state, ckpt, record, with_optimizer=(
-                with_optimizer and record.group_index != FROZEN))
-        elements += _load_module_tensors(state.module, ckpt, records)
+        staged = _stage(state, path, with_optimizer=with_optimizer,
+                        with_small=not load_module_only,
+                        with_scheduler=load_lr_scheduler_states)
     except Exception as exc:  # noqa: BLE001 - re-raised after every rank agrees
         failure = exc
     _agree(state, failure, path)
+    assert staged is not None
+    _commit(state, staged)
     state.stage.publish_parameters()
-    counters = None
-    if not load_module_only:
-        _restore_small(state, ckpt, with_optimizer=with_optimizer,
-                       with_scheduler=load_lr_scheduler_states)
-        counters = ckpt.counters()
     report = CheckpointReport(path=path, seconds=time.perf_counter() - start,
-                              elements_read=elements, bytes_read=4 * elements,
-                              files_opened=len(ckpt.optim_files) + 1)
+                              elements_read=staged.elements, bytes_read=4 * staged.elements,
+                              files_opened=staged.files_opened)
     logger.info("loaded DeepSpeed ZeRO-%d checkpoint %s (saved at world size %d) in %.3f s",
-                ckpt.stage, path, ckpt.world, report.seconds)
-    return LoadResult(path, ckpt.client_state(), counters, report)
+                staged.stage, path, staged.world, report.seconds)
+    return LoadResult(path, staged.client_state, staged.counters, report)
+
+
+@dataclass(slots=True)
+class _Staged:
+    """What a load will write, read and checked but not yet applied: (live tensor, new
+    value) pairs, each record's new optimizer state, the small state."""
+
+    stage: int
+    world: int
+    files_opened: int
+    elements: int = 0
+    tensors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    states: list[tuple[Any, dict, list]] = field(default_factory=list)
+    hyperparameters: Optional[list] = None
+    scaler: Optional[dict] = None
+    scheduler: Optional[dict] = None
+    counters: Optional[dict] = None
+    client_state: Any = None
+
+
+def _stage(state: TrainingState, path: str, *, with_optimizer: bool, with_small: bool,
+           with_scheduler: bool) -> _Staged:
+    """Read and check everything this rank will load, changing nothing."""
+    ckpt = DeepSpeedCheckpoint(path)
+    records = state.stage.shard_records() + state.stage.frozen_records()
+    check_model(ckpt, state.module, records)
+    if with_optimizer:
+        _check_optimizer(ckpt, state, records)
+    staged = _Staged(stage=ckpt.stage, world=ckpt.world, files_opened=len(ckpt.optim_files) + 1)
+    for record in records:
+        _stage_record(state, ckpt, record, staged, with_optimizer=(
+            with_optimizer and record.group_index != FROZEN))
+    staged.tensors += _stage_module_tensors(state.module, ckpt, records, staged)
+    staged.client_state = ckpt.client_state()
+    if with_small:
+        if with_optimizer:
+            staged.hyperparameters = _staged_hyperparameters(state, ckpt)
+            staged.scaler = ckpt.loss_scaler_state() if state.loss_scaler is not None else None
+        if with_scheduler and state.lr_scheduler is not None:
+            staged.scheduler = ckpt.lr_scheduler_state()
+            if staged.scheduler is not None and not isinstance(staged.scheduler, dict):
+                raise CheckpointError(f"{path}: the lr_scheduler state is a "
+                                      f"{type(staged.scheduler).__name__}, not a dict")
+        staged.counters = ckpt.counters()
+    return staged
+
+
+def _commit(state: TrainingState, staged: _Staged) -> None:
+    """Apply what :func:`_stage` read."""
+    with torch.no_grad():
+        for target, value in staged.tensors:
+            target.copy_(value)
+    for record, fresh, copies in staged.states:
+        for target, value in copies:
+            target.copy_(value)
+        live = record.optimizer_state
+        live.clear()
+        live.update(fresh)
+        state.optimizer.state[record.master] = live
+    if staged.hyperparameters is not None:
+        for group, saved in zip(state.optimizer.param_groups, staged.hyperparameters):
+            for key, value in saved.items():
+                group[key] = _like(group[key], value)
+    if staged.scaler is not None:
+        state.loss_scaler.load_state_dict(staged.scaler)
+    if staged.scheduler is not None:
+        state.lr_scheduler.load_state_dict(staged.scheduler)
 
 
 def check_model(ckpt: DeepSpeedCheckpoint, module: torch.nn.Module, records) -> None:
@@ -106,29 +167,32 @@ def _check_optimizer(ckpt: DeepSpeedCheckpoint, state: TrainingState, records) -
                                       f"{record.group_index} here")
 
 
-def _load_record(state: TrainingState, ckpt: DeepSpeedCheckpoint, record, *,
-                 with_optimizer: bool) -> int:
-    """This rank's master shard and, with the optimizer, fresh Adam state. Elements read."""
+def _stage_record(state: TrainingState, ckpt: DeepSpeedCheckpoint, record, staged: _Staged,
+                  *, with_optimizer: bool) -> None:
+    """Read this rank's master shard and, with the optimizer, its Adam state into new
+    tensors (the padding of the master kept as it is)."""
     rank = shard_rank(record.layout, state.comm)
     keys, step = _state_spec(ckpt, record.names) if with_optimizer else ([], None)
-    fresh = {key: _target(record.optimizer_state.get(key), record.master) for key in keys}
-    elements = 0
-    for key, out in [("master", record.master), *fresh.items()]:
+    master = record.master.detach().to("cpu", copy=True)
+    values = {key: torch.zeros(record.master.shape, dtype=torch.float32) for key in keys}
+    for key, out in [("master", master), *values.items()]:
         for slot, name in zip(record.layout.slots, record.names):
             begin, end = target_range(record.layout, slot, rank)
             at = record.layout.shard_slice(slot).start
             ckpt.read_into(name, key, begin, end, out[at: at + end - begin])
-            elements += end - begin
+            staged.elements += end - begin
+    staged.tensors.append((record.master, master))
     if not with_optimizer:
-        return elements
+        return
     group = state.optimizer.param_groups[record.group_index]
-    live = record.optimizer_state
-    live.clear()
-    live.update(fresh)
+    fresh: dict[str, Any] = {}
+    copies = []
+    for key, value in values.items():
+        fresh[key] = _target(record.optimizer_state.get(key), record.master)
+        copies.append((fresh[key], value))
     if step is not None and fresh:
-        live["step"] = _step_value(step, group, record.master)
-    state.optimizer.state[record.master] = live
-    return elements
+        fresh["step"] = _step_value(step, group, record.master)
+    staged.states.append((record, fresh, copies))
 
 
 def _state_spec(ckpt: DeepSpeedCheckpoint, names) -> tuple[list[str], Optional[float]]:
@@ -144,10 +208,11 @@ def _state_spec(ckpt: DeepSpeedCheckpoint, names) -> tuple[list[str], Optional[f
 
 
 def _target(live: Any, master: torch.Tensor) -> torch.Tensor:
-    """The live state tensor when it fits (offloaded state stays where it is), else new."""
+    """Where a state tensor will live: the live one when it fits (offloaded state stays in
+    its host or NVMe storage; written only on commit), else a new one like the master."""
     if (isinstance(live, torch.Tensor) and live.shape == master.shape
             and live.dtype == master.dtype and live.device == master.device):
-        return live.zero_()
+        return live
     return torch.zeros_like(master)
 
 
@@ -159,13 +224,14 @@ def _step_value(step: float, group: dict, master: torch.Tensor) -> torch.Tensor:
                         device=master.device if on_device else torch.device("cpu"))
 
 
-def _load_module_tensors(module: torch.nn.Module, ckpt: DeepSpeedCheckpoint, records) -> int:
-    """Frozen parameters and persistent buffers, cast to the module's dtypes."""
+def _stage_module_tensors(module: torch.nn.Module, ckpt: DeepSpeedCheckpoint, records,
+                          staged: _Staged) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(target, new value) for frozen parameters and persistent buffers, cast on commit."""
     in_records = {name for record in records for name in record.names}
     persistent = set(module.state_dict().keys())
     targets = [(n, p) for n, p in module.named_parameters() if n not in in_records]
     targets += [(n, b) for n, b in module.named_buffers() if n in persistent]
-    elements = 0
+    out = []
     for name, target in targets:
         if name in ckpt.params:     # trainable when saved, frozen now: its master
             value = torch.empty(target.numel(), dtype=torch.float32)
@@ -175,10 +241,12 @@ def _load_module_tensors(module: torch.nn.Module, ckpt: DeepSpeedCheckpoint, rec
         if value.is_floating_point() != target.is_floating_point():
             raise CheckpointError(f"{name!r} is {value.dtype} in {ckpt.path} but "
                                   f"{target.dtype} in the model")
-        with torch.no_grad():
-            target.copy_(value.reshape(target.shape))
-        elements += target.numel()
-    return elements
+        if value.numel() != target.numel():
+            raise CheckpointError(f"{name!r} has {value.numel()} elements in {ckpt.path} "
+                                  f"but {target.numel()} in the model")
+        out.append((target, value.reshape(target.shape)))
+        staged.elements += target.numel()
+    return out
 
 
 def _agree(state: TrainingState, failure: Optional[BaseException], path: str) -> None:
@@ -196,19 +264,17 @@ def _agree(state: TrainingState, failure: Optional[BaseException], path: str) ->
                               "error is in its log); the model was not updated")
 
 
-def _restore_small(state: TrainingState, ckpt: DeepSpeedCheckpoint, *, with_optimizer: bool,
-                   with_scheduler: bool) -> None:
-    if with_optimizer:
-        for group, saved in zip(state.optimizer.param_groups, ckpt.hyperparameters()):
-            for key, value in saved.items():
-                if key in group:
-                    group[key] = _like(group[key], value)
-        scaler = ckpt.loss_scaler_state()
-        if state.loss_scaler is not None and scaler is not None:
-            state.loss_scaler.load_state_dict(scaler)
-    scheduler, saved = state.lr_scheduler, ckpt.lr_scheduler_state()
-    if with_scheduler and scheduler is not None and saved is not None:
-        scheduler.load_state_dict(saved)
+def _staged_hyperparameters(state: TrainingState, ckpt: DeepSpeedCheckpoint) -> list[dict]:
+    """Each group's saved hyperparameters that the live group has, checked to convert."""
+    staged = []
+    for group, saved in zip(state.optimizer.param_groups, ckpt.hyperparameters()):
+        kept = {key: value for key, value in saved.items() if key in group}
+        for key, value in kept.items():
+            current = group[key]
+            if isinstance(current, torch.Tensor):   # converted on commit; check it converts
+                torch.as_tensor(value, dtype=current.dtype)
+        staged.append(kept)
+    return staged
 
 
 def _like(current: Any, value: Any) -> Any:

@@ -83,6 +83,7 @@ class ZeroEngine(nn.Module):
         self._backward_in_window = False
         self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
         self._local_backwards = 0          # no_sync backwards no reduction has taken yet
+        self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, _reach_totals(comm.ledger))
@@ -312,7 +313,20 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual override, as accelerate uses it: from now on the caller says,
+        before each backward, whether it ends the accumulation window (``step()`` updates
+        only then), instead of the engine counting micro-steps. The loss is still divided by
+        ``gradient_accumulation_steps``."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary() takes a bool, got "
+                            f"{type(is_boundary).__name__}")
+        self._boundary_override = is_boundary
+        self.stage.begin_backward(is_boundary)
 
     def was_step_applied(self) -> bool:
         return bool(self._last_outcome and self._last_outcome.applied)

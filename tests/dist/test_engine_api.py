@@ -226,3 +226,29 @@ def _engine_counts(rank, world):
 
 def test_tput_timer_counts_optimizer_and_micro_steps(worlds):
     assert worlds.run(2, _engine_counts) == [(4, 8, 16, True)] * 2
+
+
+def _manual_boundary(rank, world, stage):
+    """accelerate's loop: the boundary is set before each backward and step() is called only
+    at the boundary; it must train exactly like the engine counting micro-steps."""
+    import zerotrain
+    trained = []
+    for manual in (False, True):
+        engine, *_ = zerotrain.initialize(model=R.make_model(),
+                                          config=R.engine_config(stage=stage, ga=2))
+        for step in range(3):
+            for micro in range(2):
+                if manual:
+                    engine.set_gradient_accumulation_boundary(micro == 1)
+                engine.backward(engine(*R.micro_batch(step, rank, micro)))
+                if not manual or micro == 1:
+                    engine.step()
+        trained.append(({n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                        engine.global_steps))
+    (plain, plain_steps), (manual, manual_steps) = trained
+    return R.max_diff(plain, manual), plain_steps, manual_steps
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_set_gradient_accumulation_boundary_trains_like_counted_micro_steps(worlds, stage):
+    assert worlds.run(2, _manual_boundary, stage) == [(0.0, 3, 3)] * 2

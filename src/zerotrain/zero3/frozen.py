@@ -59,21 +59,22 @@ class QuantizedSlice:
         """Positions of these parameters in the unit's parameter list."""
         return self.slice.indices
 
-    def _row(self, k: int) -> torch.Tensor:
+    def row(self, k: int) -> torch.Tensor:
+        """The stored bytes of the ``k``-th parameter's chunk (a view of ``packed``)."""
         return self.packed[self.offsets[k]: self.offsets[k] + self.nbytes[k]]
 
     def store(self, k: int, chunk: torch.Tensor) -> None:
         """Quantize this rank's chunk of the slice's ``k``-th parameter into place."""
         if self.nbytes[k]:
             packed = self.quantizer.quantize(chunk.detach().reshape(1, -1).float())
-            self._row(k).copy_(_unpad(packed, chunk.numel(), self.quantizer).view(-1))
+            self.row(k).copy_(_unpad(packed, chunk.numel(), self.quantizer).view(-1))
 
     def values(self, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """This rank's chunk of the ``k``-th parameter, decoded (a new tensor)."""
         chunk = self.slice.layout.slots[k].chunk
         if not chunk:
             return torch.zeros(0, dtype=dtype, device=self.packed.device)
-        return self._decode(self._row(k).reshape(1, -1), chunk, dtype).view(-1)
+        return self._decode(self.row(k).reshape(1, -1), chunk, dtype).view(-1)
 
     def round_trip(self, k: int, full: torch.Tensor, world: int) -> torch.Tensor:
         """``full`` as the ranks would decode it after each quantizes its chunk of it: the

@@ -174,7 +174,7 @@ class Unit:
         if self.frozen is not None:   # DeepSpeed's ds_tensor is the int8 chunk here too
             for k, i in enumerate(self.frozen.indices):
                 p = self.spec.params[i]
-                p.ds_tensor = self.frozen._row(k)
+                p.ds_tensor = self.frozen.row(k)
                 p.ds_master = None
                 p.ds_unit = self
 

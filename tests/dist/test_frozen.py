@@ -88,3 +88,54 @@ def _checkpoint(rank, world, save_dir):
 def test_frozen_shards_are_saved_and_load_into_any_stage(worlds, tmp_path):
     for res in worlds.run(2, _checkpoint, str(tmp_path)):
         assert res[3] == 0.0 and res[2] == 0.0 and res.get("export", 0.0) == 0.0, res
+
+
+def _groups(model):
+    """DeepSpeed-Chat-style groups over all parameters, frozen ones included: the norm's
+    group holds only frozen parameters (empty once they are filtered) and one group is
+    empty from the start."""
+    norm = list(model.norm.parameters())
+    rest = [p for n, p in model.named_parameters() if not n.startswith("norm.")]
+    return [{"params": rest, "weight_decay": 0.1}, {"params": norm, "weight_decay": 0.0},
+            {"params": [], "weight_decay": 0.0, "lr": 1e-3}]
+
+
+def _empty_group_job(rank, world):
+    import torch
+    import zerotrain
+    out = {}
+    for stage in (0, 1, 2):
+        for client in (True, False):
+            model = R.make_model()
+            for p in model.norm.parameters():
+                p.requires_grad_(False)
+            config = R.engine_config(stage=stage)
+            kwargs = {"model_parameters": _groups(model)}
+            if client:
+                del config["optimizer"]
+                kwargs = {"optimizer": torch.optim.AdamW(_groups(model), lr=1e-2,
+                                                         betas=(0.9, 0.95), eps=1e-8)}
+            engine, *_ = zerotrain.initialize(model=model, config=config, **kwargs)
+            R.train_engine(engine, steps=STEPS, rank=rank, ga=1)
+            out[(stage, client)] = (_full(model), engine.get_lr())
+    return out
+
+
+def test_a_parameter_group_with_no_trainable_parameters_is_kept_empty(worlds):
+    import torch
+    reference = R.make_model()
+    for p in reference.norm.parameters():
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([dict(g, params=[p for p in g["params"] if p.requires_grad])
+                                   for g in _groups(reference)], lr=1e-2, betas=(0.9, 0.95),
+                                  eps=1e-8)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for rank in range(2):
+            (reference(*R.micro_batch(step, rank, 0)) / 2).backward()
+        optimizer.step()
+    expected = dict(reference.named_parameters())
+    for out in worlds.run(2, _empty_group_job):
+        for case, (params, lrs) in out.items():
+            assert lrs == [1e-2, 1e-2, 1e-3], case
+            assert R.max_diff(params, expected) < 1e-6, case

@@ -75,8 +75,10 @@ class ShardedDataParallel(BucketedStage):
         self.sharded = plan.shard_world > 1
         self.shard_rank = comm.rank if self.sharded else 0
         self.device = next((p.device for _, ps in groups for p in ps), torch.device("cpu"))
+        # an empty group (all its parameters frozen) has no shard; its optimizer group
+        # stays, with no parameters, so the client's groups and schedulers line up
         self.groups = [self._shard_group(sub_names, sub_params, g)
-                       for g, (names, params) in enumerate(groups)
+                       for g, (names, params) in enumerate(groups) if params
                        for sub_names, sub_params in self._pieces(names, params)]
         self.optimizer = make_optimizer([[sg.master for sg in self.groups if sg.group_index == g]
                                          for g in range(len(groups))])

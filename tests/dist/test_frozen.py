@@ -93,7 +93,9 @@ def test_frozen_shards_are_saved_and_load_into_any_stage(worlds, tmp_path):
 def _groups(model):
     """DeepSpeed-Chat-style groups over all parameters, frozen ones included: the norm's
     group holds only frozen parameters (empty once they are filtered) and one group is
-    empty from the start."""
+    empty from the start. At stage 3 the frozen norm sits in the root unit (with the
+    trainable head), between the input layer's unit and the hidden layer's: backward needs
+    it after the head's gradients are in, to reach the input layer."""
     norm = list(model.norm.parameters())
     rest = [p for n, p in model.named_parameters() if not n.startswith("norm.")]
     return [{"params": rest, "weight_decay": 0.1}, {"params": norm, "weight_decay": 0.0},
@@ -104,7 +106,7 @@ def _empty_group_job(rank, world):
     import torch
     import zerotrain
     out = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         for client in (True, False):
             model = R.make_model()
             for p in model.norm.parameters():

@@ -19,9 +19,11 @@ Note: end of a unit's backward
     runs. (FSDP2 passes the inputs through an identity autograd function instead, which
     forbids a forward that modifies its input in place.) A unit is released in backward
     when both happened: its trainable parameters have their gradients, and, if its forward
-    had inputs that require grad, that hook ran. Inputs that need no gradient need no frozen
-    parameter in backward either, except to reach the unit's own trainable parameters,
-    which come later. The hook that gathers a unit for backward sits on the node that made
+    had inputs that require grad, that hook ran. A unit with frozen parameters whose inputs
+    need no gradient (the root unit, holding a LoRA model's final norm) has no such signal:
+    its frozen parameters may still be needed to reach the trainable parameters of units
+    that ran inside its forward (the blocks between its embedding and its final norm), so
+    it stays gathered until backward ends. The hook that gathers a unit for backward sits on the node that made
     its output, whose pre-hooks run after the tensor hooks on that output: the unit after
     it in forward order is released before this one is gathered.
 
@@ -92,6 +94,8 @@ class UnitScheduler:
         self._needed = {u.spec.index: sum(p.requires_grad for p in u.spec.params)
                         for u in units}
         self._expects_inputs: set[int] = set()   # Note: end of a unit's backward
+        self._has_frozen = {u.spec.index for u in units
+                            if any(not p.requires_grad for p in u.spec.params)}
         self._inputs_done: set[int] = set()
         self._depth = [0] * len(units)           # Note: entry points
         self._in_backward = False
@@ -194,6 +198,8 @@ class UnitScheduler:
         self._maybe_done(index)
 
     def _maybe_done(self, index: int) -> None:
+        if index not in self._expects_inputs and index in self._has_frozen:
+            return   # Note: end of a unit's backward (frozen, no inputs): held to the end
         if (index in self._backward_held
                 and self._arrived.get(index, 0) >= self._needed[index]
                 and (index not in self._expects_inputs or index in self._inputs_done)):

@@ -478,6 +478,8 @@ class ZeroEngine(nn.Module):
         if not load_module_strict:
             logger.warning("load_checkpoint(load_module_strict=False) is not supported; "
                            "loading strictly")
+        if self.inference_only:   # as in DeepSpeed: no optimizer, so only the weights
+            load_optimizer_states = load_lr_scheduler_states = False
         self.settle()
         result = checkpoint.load_checkpoint(
             self._training_state(), load_dir, tag=None if tag is None else str(tag),

@@ -36,7 +36,8 @@ def _eval_only_job(rank: int, world: int, root: str) -> dict:
         ref.eval()
         with torch.no_grad():
             fresh_loss = ref(*batch).item()
-        ref.load_checkpoint(save_dir, load_module_only=True)
+        # DeepSpeed-Chat's plain load (an engine without optimizer takes the weights only)
+        ref.load_checkpoint(save_dir, load_module_only=stage == 2)
         with torch.no_grad():
             loaded_loss = ref(*batch).item()
         refused = []

@@ -283,3 +283,37 @@ def _no_grad_forward_releases(rank, world):
 def test_forwards_without_backward_leave_nothing_gathered(worlds):
     for after_eval, in_flight, after_step in worlds.run(2, _no_grad_forward_releases):
         assert (after_eval, in_flight, after_step) == (0, 0, 0)
+
+
+def _state_dict_warning(rank, world, root):
+    import logging
+    import zerotrain
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zerotrain.zero3.stage").addHandler(handler)
+    try:
+        model = R.make_model()
+        engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=3))
+        R.train_engine(engine, steps=1, rank=rank, ga=1)
+        engine.save_checkpoint(root)                      # zerotrain's own state_dict calls
+        model.state_dict(keep_vars=True)
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            gathered = model.state_dict()
+        quiet = len(records)
+        empty = model.state_dict()
+        model.state_dict()
+        return {"quiet": quiet, "after": [r.getMessage() for r in records],
+                "gathered": tuple(gathered["hidden.weight"].shape),
+                "empty": tuple(empty["hidden.weight"].shape)}
+    finally:
+        logging.getLogger("zerotrain.zero3.stage").removeHandler(handler)
+
+
+def test_state_dict_of_a_partitioned_model_warns_once_that_it_holds_no_weights(worlds, tmp_path):
+    for res in worlds.run(2, _state_dict_warning, str(tmp_path)):
+        assert res["quiet"] == 0, res
+        assert res["gathered"] == (29, 13) and res["empty"] == (0,)
+        assert len(res["after"]) == 1, res
+        assert "partitioned parameters" in res["after"][0], res
+        assert "save_16bit_model" in res["after"][0], res

@@ -31,7 +31,7 @@ def model_shapes(module: nn.Module, records: Sequence[ShardRecord]) -> tuple[dic
     for record in records:
         for name, shape in zip(record.names, record.shapes):
             params[name] = tuple(shape)
-    persistent = set(module.state_dict().keys())
+    persistent = set(module.state_dict(keep_vars=True).keys())
     buffers = {name: tuple(b.shape) for name, b in module.named_buffers() if name in persistent}
     return params, buffers
 

@@ -188,7 +188,7 @@ def _write_module_file(tmp: str, module: torch.nn.Module, metas: list[dict],
                        save_id: str) -> tuple[list, list, int]:
     """Frozen parameters (those in no record) and persistent buffers, as they are."""
     in_records = {name for meta in metas for name in meta["names"]}
-    persistent = set(module.state_dict().keys())
+    persistent = set(module.state_dict(keep_vars=True).keys())
     tensors: dict[str, torch.Tensor] = {}
     frozen, buffers = [], []
     for kind, named, out in (("param", module.named_parameters(), frozen),
@@ -254,7 +254,7 @@ def _manifest(state: TrainingState, tag: str, metas: list[dict], sizes: dict,
             "precision": state.precision,
             "counters": {k: int(state.counters[k]) for k in COUNTERS},
             "records": records, "param_dtypes": param_dtypes,
-            "state_dict_order": list(state.module.state_dict().keys()),
+            "state_dict_order": list(state.module.state_dict(keep_vars=True).keys()),
             "module_file": MODULE_FILE,
             "rank_files": [rank_file(r) for r in range(state.comm.world_size)],
             "file_sizes": sizes, **small}

@@ -22,6 +22,7 @@ Note: one stage-3 step
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -41,6 +42,8 @@ from .init import GatheredParameters
 from .unit import GroupSlice, Unit
 from .unit_specs import build_units
 
+
+logger = logging.getLogger(__name__)
 
 class PartitionedDataParallel(BucketedStage):
     """Stage 3 over ``module``; parameters outside forward/backward are empty tensors."""
@@ -97,6 +100,7 @@ class PartitionedDataParallel(BucketedStage):
             max_live_numel=int(zero_config.stage3_max_live_parameters),
             max_reuse_distance=int(zero_config.stage3_max_reuse_distance)))
         self._handles = install_module_hooks(module, self.units, self.scheduler)
+        self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))
         for r, (unit, s) in enumerate(self._records):
             for index, i in enumerate(s.indices):
                 hook = functools.partial(self._on_grad, r, index, unit)
@@ -245,6 +249,28 @@ class PartitionedDataParallel(BucketedStage):
                 "gradients": self.buckets.tensors(),
                 self.state_category: [u.master for u in self.units] + state,
                 "host_gradients": self.updater.host_tensors()}
+
+
+def _warn_if_partitioned(module: nn.Module, state_dict: dict, prefix: str,
+                         local_metadata: Any) -> None:
+    """``model.state_dict()`` outside ``GatheredParameters`` holds the partitioned
+    parameters' empty placeholders (as in DeepSpeed); saving it (``torch.save``,
+    ``save_pretrained``) would write an empty model without a word, so say so, once per
+    model. ``state_dict(keep_vars=True)`` (for its keys; zerotrain's own calls) is quiet."""
+    if getattr(module, "_zerotrain_warned_state_dict", False):
+        return
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+                and P.is_partitioned(param) and value.shape != P.full_shape(param)):
+            module._zerotrain_warned_state_dict = True
+            logger.warning(
+                "state_dict() of a ZeRO stage-3 model holds partitioned parameters, e.g. "
+                "%r of shape %s for %s: saving it writes no weights. Use "
+                "engine.save_16bit_model(dir), save_checkpoint and `zerotrain consolidate`, "
+                "or call state_dict() inside zerotrain.zero.GatheredParameters(...)",
+                prefix + name, tuple(value.shape), tuple(P.full_shape(param)))
+            return
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -228,7 +228,7 @@ def _stage_module_tensors(module: torch.nn.Module, ckpt: DeepSpeedCheckpoint, re
                           staged: _Staged) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(target, new value) for frozen parameters and persistent buffers, cast on commit."""
     in_records = {name for record in records for name in record.names}
-    persistent = set(module.state_dict().keys())
+    persistent = set(module.state_dict(keep_vars=True).keys())
     targets = [(n, p) for n, p in module.named_parameters() if n not in in_records]
     targets += [(n, b) for n, b in module.named_buffers() if n in persistent]
     out = []

@@ -41,8 +41,8 @@ from .compile import refuse_precompiled
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
 from .dataloader import DistributedLoader
-from .engine import ZeroEngine
-from .errors import ConfigError, RankMismatchError
+from .engine import ZeroEngine, close_stage, open_stage_of
+from .errors import ConfigError, RankMismatchError, StateError
 from .optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
                     retarget_optimizer)
 from .precision import PrecisionPolicy
@@ -90,6 +90,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if model is None:
         raise ConfigError("model", "initialize() needs model=")
     refuse_precompiled(model)
+    held = open_stage_of(model)
+    if held is not None:   # Note: one open engine per model (engine.py)
+        raise StateError(f"parameter {held[0]!r} is already trained by an open zerotrain "
+                         "engine (its hooks would take this engine's gradients); call "
+                         "destroy() on that engine first, or build a new model")
     if mpu is not None:
         raise ConfigError("mpu", "model parallelism (mpu) is not supported; zerotrain is "
                           "data parallel")
@@ -230,6 +235,17 @@ def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler", "given both in the config and as initialize("
                           "lr_scheduler=...); remove one")
+
+
+def release_model(model: nn.Module) -> bool:
+    """Close the open engine that trains ``model``, if any, so that a new one can
+    (collective when it closes one: every rank calls it). True when one was closed."""
+    held = open_stage_of(model)
+    if held is None:
+        return False
+    held[1].settle()
+    close_stage(held[1], model)
+    return True
 
 
 def _device() -> torch.device:

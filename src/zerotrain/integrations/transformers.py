@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..config import read_config_dict
 from ..errors import ConfigError
-from ..initialize import initialize
+from ..initialize import initialize, release_model
 from ..schedules import build_scheduler
 from . import hf_config
 from .hf_views import EngineOptimizerView, EngineSchedulerView
@@ -183,6 +183,8 @@ class ZeroTrainer(Trainer):
         else:
             self.optimizer = self._client_optimizer
             optimizer, params = self.create_optimizer(), None
+        if release_model(self.model):   # a Trainer before this one trained the same model
+            logger.info("closed the zerotrain engine of an earlier Trainer on this model")
         engine, *_ = initialize(model=self.model, optimizer=optimizer,
                                 model_parameters=params, config=config)
         self.engine = self.deepspeed = self.model_wrapped = engine

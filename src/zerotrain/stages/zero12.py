@@ -92,6 +92,14 @@ class ShardedDataParallel(BucketedStage):
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
             for g, group in enumerate(self.groups) for i, param in enumerate(group.params)]
 
+    def close(self) -> None:
+        """Release offload resources and the gradient hooks: the parameters are whole and
+        current, so the module can be trained plainly or given to a new engine."""
+        super().close()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     # ------------------------------------------------------------------ set-up
     def _layout(self, params: Sequence[nn.Parameter]) -> FlatLayout:
         return FlatLayout([p.numel() for p in params], world=self.plan.shard_world,

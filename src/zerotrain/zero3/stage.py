@@ -121,8 +121,17 @@ class PartitionedDataParallel(BucketedStage):
         self.scheduler.end_backward()
 
     def close(self) -> None:
+        """Settle and release offload resources, then hand the module back partitioned, as
+        after zero.Init: every unit released (persistent ones too) and every hook removed,
+        so a new engine can take it (Note: one open engine per model, in engine.py)."""
         super().close()
+        for unit in self.units:
+            unit.drop_holders()
+            unit.release(persistent_too=True)
         self.param_storage.close()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def publish_parameters(self) -> None:
         """After a load: frozen shards follow their (loaded) masters, int8 ones are quantized

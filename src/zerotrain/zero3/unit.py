@@ -245,10 +245,11 @@ class Unit:
         P.mark(self.spec.params, P.ZeroParamStatus.AVAILABLE)
         self.state = UnitState.GATHERED
 
-    def release(self) -> None:
+    def release(self, *, persistent_too: bool = False) -> None:
         """Drop the full parameters: their ``.data`` becomes empty and ``full``'s storage
-        is freed even where autograd saved views of it (Note: freed storage); shards stay."""
-        if self.spec.persistent:
+        is freed even where autograd saved views of it (Note: freed storage); shards stay.
+        A persistent unit is released only when the stage closes (``persistent_too``)."""
+        if self.spec.persistent and not persistent_too:
             raise StateError(f"unit {self.spec.name!r} is persistent and cannot be released")
         if self.state is UnitState.GATHERING:
             self.finish_gather()

@@ -1,0 +1,100 @@
+"""A model trained by one engine, destroyed, then given to a new engine (another stage,
+another Trainer): the new engine trains it exactly like a fresh model holding the same
+weights. While the first engine is still open, a second one is refused by name: its
+gradients would go to the first one's hooks."""
+import reference as R
+
+
+def _train(engine, rank, start, steps=2):
+    for step in range(start, start + steps):
+        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        engine.step()
+
+
+def _full(model):
+    import zerotrain
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _reinitialize(rank, world):
+    import zerotrain
+    from zerotrain.errors import StateError
+    out = {}
+    for first, second in ((2, 2), (3, 3), (3, 2), (1, 3)):
+        model = R.make_model()
+        engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=first))
+        _train(engine, rank, 0)
+        middle = _full(model)
+        try:
+            zerotrain.initialize(model=model, config=R.engine_config(stage=second))
+            out[(first, "refused")] = None
+        except StateError as exc:
+            out[(first, "refused")] = str(exc)
+        engine.destroy()
+        engine.destroy()   # a second call does nothing
+        again, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=second))
+        _train(again, rank, 2)
+        got = _full(model)
+        again.destroy()
+        fresh_model = R.make_model()
+        fresh_model.load_state_dict(middle)
+        fresh, *_ = zerotrain.initialize(model=fresh_model,
+                                         config=R.engine_config(stage=second))
+        _train(fresh, rank, 2)
+        out[(first, second)] = R.max_diff(got, _full(fresh_model))
+        fresh.destroy()
+    return out
+
+
+def test_destroyed_engine_hands_its_model_to_a_new_engine(worlds):
+    for res in worlds.run(2, _reinitialize):
+        for (first, second), value in res.items():
+            if second == "refused":
+                assert value is not None and "already trained by an open" in value, res
+                assert "'" in value and "destroy()" in value, value
+            else:
+                assert value == 0.0, ((first, second), value)
+
+
+def _two_trainers(rank, world, root, stage):
+    import torch
+    import transformers
+    from zerotrain.integrations.transformers import (ZeroTrainer, ZeroTrainingArguments,
+                                                     zero3_init)
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                     n_head=2)
+
+    def args(name):
+        return ZeroTrainingArguments(
+            output_dir=f"{root}/{name}", per_device_train_batch_size=4, max_steps=2,
+            learning_rate=1e-2, logging_steps=1, report_to=[], disable_tqdm=True,
+            save_strategy="no", deepspeed={"zero_optimization": {"stage": stage}})
+
+    def losses(trainer):
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    with zero3_init(args("a")):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+    ZeroTrainer(model=model, args=args("a"), train_dataset=data).train()
+    middle = _full(model)
+    second = ZeroTrainer(model=model, args=args("b"), train_dataset=data)
+    second.train()
+    plain = transformers.GPT2LMHeadModel(config)
+    plain.load_state_dict(middle, strict=False)
+    reference = ZeroTrainer(model=plain, args=args("c"), train_dataset=data)
+    reference.train()
+    return losses(second), losses(reference)
+
+
+def test_a_second_trainer_trains_the_same_model(worlds, tmp_path):
+    """The second ZeroTrainer closes the first one's engine (stage 2: its hooks took the
+    gradients; stage 3: its gathered units were refused as overwritten parameters)."""
+    import pytest
+    pytest.importorskip("transformers")
+    for stage in (2, 3):
+        for second, reference in worlds.run(2, _two_trainers, str(tmp_path), stage):
+            assert len(second) == 2 and second == reference, (stage, second, reference)

@@ -43,8 +43,8 @@ from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine, close_stage, open_stage_of
 from .errors import ConfigError, RankMismatchError, StateError
-from .optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
-                    retarget_optimizer)
+from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimizer,
+                    param_groups_from, retarget_optimizer)
 from .precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
@@ -114,6 +114,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
     policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
     _check_sections(cfg, optimizer, lr_scheduler)
+    if optimizer is not None:
+        check_client_optimizer(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
     inference = optimizer is None and cfg.optimizer is None   # an engine for forward only
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         activation.configure(None, deepspeed_config=cfg)

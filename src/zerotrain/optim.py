@@ -79,6 +79,31 @@ def _fast_path(device: torch.device) -> dict:
     return {}
 
 
+# Client optimizers whose update of each element depends only on that element's gradient
+# and state, created at the first step: stepping one flat shard per group is the same
+# arithmetic as stepping each parameter (Note: one flat tensor per group).
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Rprop)
+
+
+def check_client_optimizer(optimizer: Any, *, allow_untested: bool) -> None:
+    """Refuse a client optimizer that is not known to be elementwise (Adafactor's factored
+    moments, LAMB's per-tensor trust ratio, Adagrad's state made at construction): on flat
+    shards it would train differently without a word. ``zero_allow_untested_optimizer``
+    (DeepSpeed's key) steps it anyway."""
+    if allow_untested or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        return
+    cls = type(optimizer)
+    raise ConfigError(
+        "optimizer", f"{cls.__module__}.{cls.__qualname__} is not one of the optimizers "
+        "zerotrain knows to update each element on its own (torch's "
+        + ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS) + "); it is stepped on flat "
+        "shards of the parameters, where per-tensor statistics (factored moments, trust "
+        "ratios, norms) would silently differ. Use one of those, or set "
+        "\"zero_allow_untested_optimizer\": true to step it anyway (as in DeepSpeed)")
+
+
 def retarget_optimizer(optimizer: torch.optim.Optimizer,
                        shard_groups: Sequence[list[torch.Tensor]]) -> torch.optim.Optimizer:
     """Point a client optimizer's groups at ``shard_groups`` (one list per group)."""

@@ -252,3 +252,34 @@ def _manual_boundary(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_set_gradient_accumulation_boundary_trains_like_counted_micro_steps(worlds, stage):
     assert worlds.run(2, _manual_boundary, stage) == [(0.0, 3, 3)] * 2
+
+
+def _client_optimizers_job(rank, world):
+    import torch
+    import zerotrain
+    from zerotrain.errors import ConfigError
+    out = {}
+    for name in ("Adafactor", "RMSprop"):
+        for allow in (False, True):
+            model = R.make_model()
+            config = R.engine_config(stage=1)
+            del config["optimizer"]
+            if allow:
+                config["zero_allow_untested_optimizer"] = True
+            optimizer = getattr(torch.optim, name)(model.parameters(), lr=1e-2)
+            try:
+                engine, *_ = zerotrain.initialize(model=model, optimizer=optimizer, config=config)
+                R.train_engine(engine, steps=1, rank=rank, ga=1)
+                out[(name, allow)] = "trained"
+            except ConfigError as e:
+                out[(name, allow)] = str(e)
+    return out
+
+
+def test_a_client_optimizer_not_known_to_be_elementwise_is_refused_by_name(worlds):
+    for out in worlds.run(2, _client_optimizers_job):
+        refused = out[("Adafactor", False)]
+        assert refused.startswith("optimizer") and "torch.optim.Adafactor" in refused, refused
+        assert "zero_allow_untested_optimizer" in refused, refused
+        assert out[("Adafactor", True)] == "trained"     # DeepSpeed's key steps it anyway
+        assert out[("RMSprop", False)] == out[("RMSprop", True)] == "trained"

@@ -52,3 +52,12 @@ def test_a_plain_latest_still_names_its_tag(tmp_path):
     (tmp_path / "latest").write_text("global_step7\n")
     assert read_latest(str(tmp_path)) == "global_step7"
     assert read_latest(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("text", ["", "\n", "../elsewhere"])
+def test_a_latest_naming_no_plain_tag_names_the_latest_file(tmp_path, text):
+    (tmp_path / "latest").write_text(text)
+    with pytest.raises(CheckpointError) as info:
+        read_latest(str(tmp_path))
+    assert str(tmp_path / "latest") in str(info.value), info.value
+    assert "not a plain directory name" in str(info.value), info.value

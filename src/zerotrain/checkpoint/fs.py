@@ -105,7 +105,12 @@ def read_latest_text(save_dir: str) -> Optional[str]:
 def read_latest(save_dir: str) -> Optional[str]:
     """The tag ``latest`` names, or None when there is no ``latest`` file."""
     tag = read_latest_text(save_dir)
-    return None if tag is None else check_tag(tag)
+    if tag is None:
+        return None
+    try:
+        return check_tag(tag)
+    except CheckpointError as exc:   # say which file named it (an empty or edited latest)
+        raise CheckpointError(f"{os.path.join(save_dir, LATEST_NAME)}: {exc}") from None
 
 
 def resume_candidates(save_dir: str, *,

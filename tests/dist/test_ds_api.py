@@ -37,6 +37,93 @@ def test_deepspeed_comm_functions_act_on_the_world(worlds):
         assert res["gathered"] == [[0.0, 0.0], [1.0, 1.0]]
 
 
+def _more_comm_job(rank: int, world: int, via_alias: bool) -> dict:
+    """Every further ``deepspeed.comm`` function a script calls, on 2 ranks; ``via_alias``
+    imports it as ``deepspeed.comm`` through the switch."""
+    from datetime import timedelta
+
+    if via_alias:
+        from zerotrain import as_deepspeed
+        as_deepspeed.install()
+        import deepspeed.comm as dist
+    else:
+        import zerotrain.comm as dist
+    out: dict = {"available": dist.is_available(),
+                 "ranks": dist.get_all_ranks_from_group(),
+                 "ranks_of_group": dist.get_all_ranks_from_group(dist.new_group([1])),
+                 "coalesce_flags": (dist.has_all_reduce_coalesced(),
+                                    dist.has_coalescing_manager())}
+    objects = [None] * world
+    dist.all_gather_object(objects, {"rank": rank})
+    out["objects"] = objects
+    sent = [f"from {rank}", rank * 10]
+    dist.broadcast_object_list(sent, src=1)
+    out["broadcast_objects"] = sent
+    bucket = [torch.zeros(2) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank + 1)), gather_list=bucket, dst=0)
+    out["gathered"] = None if bucket is None else [t.tolist() for t in bucket]
+    piece = torch.zeros(3)
+    parts = [torch.full((3,), 10.0 * r) for r in range(world)] if rank == 1 else None
+    dist.scatter(piece, scatter_list=parts, src=1)
+    out["scattered"] = piece.tolist()
+    mine = torch.zeros(2)
+    dist.reduce_scatter(mine, [torch.full((2,), float(rank + r)) for r in range(world)])
+    out["reduce_scattered"] = mine.tolist()
+    flat_out = torch.zeros(2)
+    dist.reduce_scatter_fn(flat_out, torch.arange(4.0) * (rank + 1))
+    out["reduce_scatter_fn"] = flat_out.tolist()
+    whole = torch.zeros(4)
+    dist.allgather_fn(whole, torch.full((2,), float(rank)))
+    out["allgather_fn"] = whole.tolist()
+    received = [torch.zeros(1) for _ in range(world)]
+    dist.all_to_all(received, [torch.tensor([10.0 * rank + r]) for r in range(world)])
+    out["all_to_all"] = [t.item() for t in received]
+    pair = [torch.tensor([1.0 + rank]), torch.tensor([2.0 * rank])]
+    dist.all_reduce_coalesced(pair)
+    out["all_reduce_coalesced"] = [t.item() for t in pair]
+    outs = [torch.zeros(2), torch.zeros(4)]
+    handle = dist.all_gather_coalesced(outs, [torch.full((1,), float(rank)),
+                                              torch.full((2,), rank + 5.0)], async_op=True)
+    handle.wait()
+    out["all_gather_coalesced"] = [t.tolist() for t in outs]
+    point = torch.full((2,), float(rank))
+    if rank == 0:
+        dist.send(point + 7, dst=1)
+        work = dist.irecv(point, src=1)
+        work.wait()
+    else:
+        dist.recv(point, src=0)
+        dist.isend(point * 2, dst=0).wait()
+    out["p2p"] = point.tolist()
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+    if via_alias:
+        out["same"] = dist.send is __import__("zerotrain.comm").comm.send
+        as_deepspeed.uninstall()
+    return out
+
+
+def test_more_deepspeed_comm_functions_on_two_ranks(worlds):
+    for via_alias in (False, True):
+        for rank, res in enumerate(worlds.run(2, _more_comm_job, via_alias)):
+            where = f"rank {rank} alias={via_alias}"
+            assert res["available"] and res["ranks"] == [0, 1], where
+            assert res["ranks_of_group"] == ([1] if rank == 1 else []), (where, res)
+            assert res["objects"] == [{"rank": 0}, {"rank": 1}], where
+            assert res["broadcast_objects"] == ["from 1", 10], where
+            assert res["gathered"] == ([[1.0, 1.0], [2.0, 2.0]] if rank == 0 else None), where
+            assert res["scattered"] == [10.0 * rank] * 3, where
+            # rank r receives sum over senders s of (s + r): (0 + r) + (1 + r)
+            assert res["reduce_scattered"] == [1.0 + 2 * rank] * 2, where
+            expected = (torch.arange(4.0) * 3)[2 * rank:2 * rank + 2].tolist()
+            assert res["reduce_scatter_fn"] == expected, where
+            assert res["allgather_fn"] == [0.0, 0.0, 1.0, 1.0], where
+            assert res["all_to_all"] == [0.0 + rank, 10.0 + rank], where
+            assert res["all_reduce_coalesced"] == [3.0, 2.0], where
+            assert res["all_gather_coalesced"] == [[0.0, 1.0], [5.0, 5.0, 6.0, 6.0]], where
+            assert res["p2p"] == ([14.0, 14.0] if rank == 0 else [7.0, 7.0]), where
+            assert res.get("same", True), where
+
+
 def _safe_job(rank: int, world: int, stage: int) -> dict:
     import zerotrain
     from zerotrain.utils import (safe_get_full_fp32_param, safe_get_full_grad,

@@ -176,3 +176,28 @@ def test_launch_as_deepspeed_runs_the_script_through_the_switch(argv, expected):
     from zerotrain.cli import _as_deepspeed
 
     assert _as_deepspeed(argv) == expected
+
+
+# --------------------------------------------------------------------------- comm
+@pytest.mark.parametrize("name, args", [
+    ("all_gather_object", ([None], 1)), ("broadcast_object_list", ([1], 0)),
+    ("gather", (torch.zeros(1),)), ("scatter", (torch.zeros(1),)),
+    ("send", (torch.zeros(1), 1)), ("recv", (torch.zeros(1), 0)),
+    ("isend", (torch.zeros(1), 1)), ("irecv", (torch.zeros(1), 0)),
+    ("monitored_barrier", ()), ("get_all_ranks_from_group", ()),
+    ("reduce_scatter", (torch.zeros(1), [torch.zeros(1)])),
+    ("all_to_all", ([torch.zeros(1)], [torch.zeros(1)])),
+    ("all_reduce_coalesced", ([torch.zeros(1)],)),
+    ("all_gather_coalesced", ([torch.zeros(1)], [torch.zeros(1)])),
+    ("reduce_scatter_fn", (torch.zeros(1), torch.zeros(1))),
+    ("allgather_fn", (torch.zeros(1), torch.zeros(1))),
+    ("inference_all_reduce", (torch.zeros(1),)),
+])
+def test_comm_functions_without_a_process_group_say_what_to_call(name, args):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    assert zerotrain.comm.is_available() is dist.is_available()
+    with pytest.raises(RuntimeError, match=r"comm\.\w+\(\) needs the process group: call "
+                                           r"zerotrain\.init_distributed\(\)"):
+        getattr(zerotrain.comm, name)(*args)

@@ -32,12 +32,17 @@ from ..topology import Partition, Topology, group_of, local_node_entry
 from .communicator import (_SUBGROUPS, Communicator, _all_gather, _coalescing_manager,
                            _describe, _DescribedWork, _drop_coalescing_state, _Launches,
                            _reduce_op, _reduce_scatter)
-from .deepspeed_api import (ReduceOp, _require_group, all_gather, all_gather_into_tensor,
-                            all_reduce, all_to_all_single, barrier, broadcast,
-                            destroy_process_group, get_backend, get_global_rank,
+from .deepspeed_api import (ReduceOp, _require_group, all_gather, all_gather_coalesced,
+                            all_gather_into_tensor, all_gather_object, all_reduce,
+                            all_reduce_coalesced, all_to_all, all_to_all_single, allgather_fn,
+                            barrier, broadcast, broadcast_object_list, destroy_process_group,
+                            gather, get_all_ranks_from_group, get_backend, get_global_rank,
                             get_local_rank, get_rank, get_world_group, get_world_size,
-                            has_all_gather_into_tensor, has_reduce_scatter_tensor,
-                            is_initialized, new_group, reduce, reduce_scatter_tensor)
+                            has_all_gather_into_tensor, has_all_reduce_coalesced,
+                            has_coalescing_manager, has_reduce_scatter_tensor,
+                            inference_all_reduce, irecv, is_available, is_initialized, isend,
+                            monitored_barrier, new_group, recv, reduce, reduce_scatter,
+                            reduce_scatter_fn, reduce_scatter_tensor, scatter, send)
 from .ledger import REACHES, CommLedger
 from .setup import (DEFAULT_TIMEOUT, _backend_map, _elastic_store, group_backends,
                     group_timeout, init_distributed, select_device, set_group_timeout)

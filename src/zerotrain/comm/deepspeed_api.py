@@ -6,19 +6,28 @@ names over the default process group (or ``group``) like their torch.distributed
 apart from zerotrain's own :class:`~zerotrain.comm.Communicator`, which they do not use
 (they are not counted in its ledger). The extra keyword arguments of DeepSpeed's versions
 (``prof``, ``log_name``, ``debug``) are accepted and ignored. Every rank of the group must
-call a collective, in the same order.
+call a collective, in the same order; point-to-point calls (``send``/``recv``...) pair one
+sender with one receiver. ``isend``/``irecv`` return torch's work handle (DeepSpeed's own
+versions block and return None): ``wait()`` on it before reading or reusing the tensor.
 """
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .communicator import _all_gather, _reduce_scatter
+from .communicator import (_all_gather, _coalescing_manager, _drop_coalescing_state, _Launches,
+                           _reduce_scatter)
 
 ReduceOp = dist.ReduceOp
+
+
+def is_available() -> bool:
+    """Whether torch.distributed (and so this package) can be used in this build of torch."""
+    return dist.is_available()
 
 
 def is_initialized() -> bool:
@@ -56,6 +65,17 @@ def get_global_rank(group: Optional[dist.ProcessGroup] = None, group_rank: int =
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+def get_all_ranks_from_group(group: Optional[dist.ProcessGroup] = None) -> list[int]:
+    """The world ranks of ``group``'s members, in group-rank order (default: the world); empty
+    on a rank outside ``group``, as in DeepSpeed."""
+    _require_group("get_all_ranks_from_group")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return []
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
 def get_world_group() -> dist.ProcessGroup:
     _require_group("get_world_group")
     return dist.group.WORLD
@@ -78,6 +98,14 @@ def has_all_gather_into_tensor() -> bool:
 
 def has_reduce_scatter_tensor() -> bool:
     return True
+
+
+def has_all_reduce_coalesced() -> bool:
+    return hasattr(dist, "all_reduce_coalesced")
+
+
+def has_coalescing_manager() -> bool:
+    return getattr(dist.distributed_c10d, "_coalescing_manager", None) is not None
 
 
 def barrier(group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
@@ -141,6 +169,143 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,
     _require_group("all_to_all_single")
     return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
                                   group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
+                   group: Optional[dist.ProcessGroup] = None, async_op: bool = False, **_: Any):
+    """Sum ``input_list[r]`` over ranks into rank r's ``output`` (one tensor per rank)."""
+    _require_group("reduce_scatter")
+    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
+                      group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
+                      **_: Any):
+    """DeepSpeed's name for :func:`reduce_scatter_tensor` (which torch always has here)."""
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Optional[dist.ProcessGroup] = None, async_op: bool = False, **_: Any):
+    """DeepSpeed's name for :func:`all_gather_into_tensor` (which torch always has here)."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
+               group: Optional[dist.ProcessGroup] = None, async_op: bool = False, **_: Any):
+    """``input_tensor_list[j]`` goes to rank j, which stores it as its ``output_tensor_list[r]``."""
+    _require_group("all_to_all")
+    return dist.all_to_all(output_tensor_list, input_tensor_list, group=group,
+                           async_op=async_op)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM,
+                         group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
+                         **_: Any):
+    """Reduce every tensor of ``tensors`` in place, as one launch where the backend can."""
+    _require_group("all_reduce_coalesced")
+    return dist.all_reduce_coalesced(tensors, op=op, group=group, async_op=async_op)
+
+
+def all_gather_coalesced(output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                         group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
+    """Every rank's ``input_tensors[i]`` concatenated in rank order into ``output_tensors[i]``,
+    launched together (one coalesced launch where torch has a coalescing manager)."""
+    _require_group("all_gather_coalesced")
+    if len(output_tensors) != len(input_tensors):
+        raise ValueError(f"comm.all_gather_coalesced got {len(output_tensors)} outputs for "
+                         f"{len(input_tensors)} inputs")
+    pairs = list(zip(output_tensors, input_tensors))
+    launches = None
+    if has_coalescing_manager() and len(pairs) > 1:
+        try:
+            with _coalescing_manager(group, None, async_ops=True) as manager:
+                for output, input in pairs:
+                    _all_gather(output, input, group=group, async_op=True)
+            launches = _Launches(list(manager.works), 1, input_tensors)
+        except (RuntimeError, NotImplementedError, ValueError):
+            _drop_coalescing_state(group)   # the backend refused: gather one by one
+    if launches is None:
+        launches = _Launches([_all_gather(output, input, group=group, async_op=True)
+                              for output, input in pairs], len(pairs), input_tensors)
+    if async_op:
+        return launches
+    launches.wait()
+    return None
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM,
+                         group: Optional[dist.ProcessGroup] = None, **_: Any):
+    """DeepSpeed's all-reduce for inference kernels: a plain :func:`all_reduce` here."""
+    return all_reduce(tensor, op=op, group=group)
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]] = None, dst: int = 0,
+           group: Optional[dist.ProcessGroup] = None, async_op: bool = False, **_: Any):
+    """Every rank's ``tensor`` into world rank ``dst``'s ``gather_list`` (None elsewhere)."""
+    _require_group("gather")
+    return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]] = None,
+            src: int = 0, group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
+            **_: Any):
+    """``scatter_list[r]`` of world rank ``src`` into rank r's ``tensor``."""
+    _require_group("scatter")
+    return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group,
+                        async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup] = None,
+         tag: int = 0, **_: Any) -> None:
+    """Send ``tensor`` to world rank ``dst``, which must :func:`recv` it; blocks until sent."""
+    _require_group("send")
+    return dist.send(tensor, dst=dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None,
+         group: Optional[dist.ProcessGroup] = None, tag: int = 0, **_: Any) -> int:
+    """Receive into ``tensor`` from world rank ``src`` (None: any); returns the sender."""
+    _require_group("recv")
+    return dist.recv(tensor, src=src, group=group, tag=tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup] = None,
+          tag: int = 0, **_: Any):
+    """:func:`send` without blocking: returns a work handle to ``wait()`` on."""
+    _require_group("isend")
+    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None,
+          group: Optional[dist.ProcessGroup] = None, tag: int = 0, **_: Any):
+    """:func:`recv` without blocking: returns a work handle to ``wait()`` on."""
+    _require_group("irecv")
+    return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+def monitored_barrier(group: Optional[dist.ProcessGroup] = None,
+                      timeout: Optional[timedelta] = None, wait_all_ranks: bool = False,
+                      **_: Any) -> None:
+    """A barrier that, on gloo, raises on rank 0 naming the ranks that did not arrive within
+    ``timeout`` (default: the group's timeout); ``wait_all_ranks`` names all of them."""
+    _require_group("monitored_barrier")
+    return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+def all_gather_object(object_list: list, obj: Any,
+                      group: Optional[dist.ProcessGroup] = None) -> None:
+    """Every rank's picklable ``obj`` into ``object_list`` (``world`` long), in rank order."""
+    _require_group("all_gather_object")
+    return dist.all_gather_object(object_list, obj, group=group)
+
+
+def broadcast_object_list(object_list: list, src: int,
+                          group: Optional[dist.ProcessGroup] = None,
+                          device: Optional[torch.device] = None) -> None:
+    """Overwrite ``object_list`` on every rank with world rank ``src``'s picklable objects."""
+    _require_group("broadcast_object_list")
+    return dist.broadcast_object_list(object_list, src=src, group=group, device=device)
 
 
 def destroy_process_group(group: Optional[dist.ProcessGroup] = None) -> None:

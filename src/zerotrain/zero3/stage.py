@@ -100,6 +100,7 @@ class PartitionedDataParallel(BucketedStage):
             max_live_numel=int(zero_config.stage3_max_live_parameters),
             max_reuse_distance=int(zero_config.stage3_max_reuse_distance)))
         self._handles = install_module_hooks(module, self.units, self.scheduler)
+        _mark_lockstep(module, True)
         self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))
         for r, (unit, s) in enumerate(self._records):
             for index, i in enumerate(s.indices):
@@ -132,6 +133,7 @@ class PartitionedDataParallel(BucketedStage):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        _mark_lockstep(self.module, False)
 
     def publish_parameters(self) -> None:
         """After a load: frozen shards follow their (loaded) masters, int8 ones are quantized
@@ -286,3 +288,20 @@ def _device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
+
+
+# transformers runs ``generate()`` (and LayerDrop) in lockstep across ranks, an all-reduce
+# deciding when every rank is done (``synced_gpus``), for modules it sees as sharded: those
+# carrying FSDP2's attribute. Without it, a rank whose sequences end first leaves the loop
+# and its peers' remaining gathers pair with whatever collective it calls next.
+_LOCKSTEP_FLAG = "_is_fsdp_managed_module"
+
+
+def _mark_lockstep(module: nn.Module, on: bool) -> None:
+    """Set (or remove) transformers' "sharded: run generate() in lockstep" flag on
+    ``module`` and every submodule (``generate`` may be called on an inner model)."""
+    for m in module.modules():
+        if on:
+            m.__dict__[_LOCKSTEP_FLAG] = True
+        else:
+            m.__dict__.pop(_LOCKSTEP_FLAG, None)

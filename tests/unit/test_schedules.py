@@ -196,7 +196,8 @@ def test_state_dict_round_trip(type_name, params):
 
 # --------------------------------------------------------------------------- config errors
 def test_registry_and_builder_types():
-    assert set(SCHEDULERS) == {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}
+    assert set(SCHEDULERS) == {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                               "LRRangeTest"}
     sched = build_scheduler("WarmupDecayLR", {"total_num_steps": 10}, make_optimizer(0.1))
     assert isinstance(sched, WarmupDecayLR)
     assert sched.max_lrs == [0.001]  # WarmupDecayLR's own default

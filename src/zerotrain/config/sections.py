@@ -68,7 +68,7 @@ class SGDParams(_Section):
 
 OPTIMIZER_PARAMS: Dict[str, Type[_Section]] = {
     "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 class OptimizerConfig(_Section):
@@ -81,7 +81,7 @@ class OptimizerConfig(_Section):
 class SchedulerConfig(_Section):
     """``params`` is stored as given; the scheduler module validates its keys."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     params: Dict[str, Any] = Field(default_factory=dict)
 
 

@@ -110,7 +110,7 @@ def save_16bit_model(module: nn.Module, weights: FullWeights, comm: Communicator
     else:
         for spec in specs:  # take part in the same gathers, in the same order
             produce(spec)
-    comm.barrier()
+    comm.barrier(label="save_16bit_model: written")
     return path
 
 

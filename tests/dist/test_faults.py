@@ -225,10 +225,10 @@ def test_ranks_that_differ_in_a_buffer_or_a_config_key_are_told_which(worlds, ca
 
 
 # --------------------------------------------------------------------------- comms_timeout
-def _stuck_peer_job(rank, world, flag, what):
+def _stuck_peer_job(rank, world, flag, what, debug):
     import time
     stage = 3 if what == "gather" else 2
-    engine, _ = _engine(R.engine_config(stage=stage, comms_timeout=3, debug=True))
+    engine, _ = _engine(R.engine_config(stage=stage, comms_timeout=3, debug=debug))
     if rank == 1:   # never joins rank 0's collective; waits for rank 0 to give up
         deadline = time.monotonic() + 120
         while not os.path.exists(flag) and time.monotonic() < deadline:
@@ -247,21 +247,25 @@ def _stuck_peer_job(rank, world, flag, what):
     return {"error": error}
 
 
-@pytest.mark.parametrize("what", ["step", "save", "gather"])
-def test_comms_timeout_applies_to_a_process_group_that_already_existed(tmp_path, what):
+@pytest.mark.parametrize("what, debug", [("step", False), ("save", False), ("gather", False),
+                                         ("step", True)])
+def test_comms_timeout_applies_to_a_process_group_that_already_existed(tmp_path, what, debug):
     """The test harness creates the group (default timeout) before initialize adopts it:
     rank 0's collective times out after comms_timeout, while rank 1 is still waiting, and
-    under ``debug`` the error names it (a gradient reduction, a save's handshake, a stage-3
-    unit's gathers)."""
-    rank0, rank1 = run_world(_stuck_peer_job, 2, str(tmp_path / "gave-up"), what,
+    the error names it (a gradient reduction, a save's handshake, a stage-3 unit's gathers),
+    the group's size and the timeout, with or without ``debug``."""
+    rank0, rank1 = run_world(_stuck_peer_job, 2, str(tmp_path / "gave-up"), what, debug,
                              timeout=200)
     assert rank1["released"], (rank0, rank1)
-    assert "CollectiveError" in rank0["error"], rank0
-    named = {"step": "reduce_scatter", "save": "checkpoint save: metadata",
-             "gather": "all_gather of"}[what]
+    assert rank0["error"].startswith("CollectiveError: rank 0: "), rank0
+    named = {"step": "reduce_scatter of", "save": "all_gather_object for checkpoint save: "
+             "metadata", "gather": "all_gather of"}[what]
     assert named in rank0["error"], rank0
-    if what == "gather":
-        assert "for unit" in rank0["error"], rank0
+    label = {"step": "for gradient bucket ", "save": "checkpoint save",
+             "gather": "for unit "}[what]
+    assert label in rank0["error"], rank0
+    assert "(group of 2 ranks, timeout 3s)" in rank0["error"], rank0
+    assert "did not join this collective in time" in rank0["error"], rank0
 
 
 # --------------------------------------------------------------------------- non-finite

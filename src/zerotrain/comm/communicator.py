@@ -3,8 +3,18 @@
 Why a module of its own: every collective zerotrain runs (gradient reduction, stage-3
 gathers, checkpoint agreement, ZeRO++'s two-level schemes) goes through one object that
 checks where its tensors are, records them in a :class:`~zerotrain.comm.ledger.CommLedger`,
-and with ``debug`` names the collective in any error, so nothing reaches torch.distributed
-unchecked or uncounted.
+and names the collective in any error, so nothing reaches torch.distributed unchecked or
+uncounted.
+
+Note: named failures
+    A collective that fails or times out (a rank never arrives: only rank 0 saves, a rank
+    sleeps past ``comms_timeout``) raises :class:`~zerotrain.errors.CollectiveError` naming
+    the operation, its tensor, its label (what zerotrain was doing: ``gradient bucket 3``,
+    ``unit block.2``, ``checkpoint save: ...``), the group's size and its timeout, always,
+    not only with ``debug``. The cost on the success path is a ``try`` around the launch
+    and, for async calls, a small handle around the work whose ``wait()`` has one too; the
+    message is built only when something fails. ``debug`` adds a log line per collective
+    (which formats a string on every call, so it stays opt-in).
 
 Note: collective devices
     Every tensor handed to a collective must be on a device the group's backend serves, and
@@ -173,20 +183,17 @@ class Communicator:
                 raise ValueError(f"all_gather_into_many output {i} has {output.numel()} "
                                  f"elements, expected {self.world_size} x {input.numel()}")
         self.check_devices("all_gather", label, *outputs, *inputs)
-        if not self.debug:
+        failure = _Failure(self, "all_gather", outputs[0] if outputs else None, label,
+                           count=len(outputs))
+        if self.debug:   # the element count costs a pass over the outputs: debug only
+            failure.elements = sum(o.numel() for o in outputs)
+            logger.debug("%s", failure.what())
+        try:
             launches = self._gather_many(outputs, inputs)
-        else:
-            what = (f"rank {self.rank}: all_gather of {len(outputs)} tensors "
-                    f"({sum(o.numel() for o in outputs)} elements"
-                    + (f", {outputs[0].dtype}" if outputs else "") + ")"
-                    + (f" for {label}" if label else ""))
-            logger.debug("%s", what)
-            try:
-                launches = _DescribedWork(self._gather_many(outputs, inputs), what)
-            except Exception as exc:
-                raise CollectiveError(f"{what} failed: {exc}") from exc
+        except Exception as exc:
+            raise failure.error(exc) from exc
         self.ledger.record_many("all_gather", outputs, calls=launches.count, reach=self.reach)
-        return launches
+        return _DescribedWork(launches, failure)
 
     def _gather_many(self, outputs: Sequence[torch.Tensor],
                      inputs: Sequence[torch.Tensor]) -> "_Launches":
@@ -228,51 +235,86 @@ class Communicator:
             output, input, group=self.group, async_op=async_op))
 
     def _call(self, op: str, tensor: torch.Tensor, label: str, async_op: bool, launch):
-        """Run a collective; with ``debug``, log it and name it in any error."""
-        if not self.debug:
-            return launch()
-        what = (f"rank {self.rank}: {op} of {tuple(tensor.shape)} {tensor.dtype}"
-                + (f" for {label}" if label else ""))
-        logger.debug("%s", what)
+        """Run a collective; name it in any error (Note: named failures), and with ``debug``
+        log it first."""
+        if self.debug:
+            logger.debug("%s", _Failure(self, op, tensor, label).what())
         try:
             work = launch()
         except Exception as exc:
-            raise CollectiveError(f"{what} failed: {exc}") from exc
-        return _DescribedWork(work, what) if async_op else work
+            raise _Failure(self, op, tensor, label).error(exc) from exc
+        return _DescribedWork(work, (self, op, tensor, label)) if async_op else work
 
     def all_gather_object(self, obj: Any, *, label: str = "") -> list:
-        """Every rank's picklable ``obj``, in rank order (small metadata only). With
-        ``debug``, logged and named (with ``label``) in any error."""
+        """Every rank's picklable ``obj``, in rank order (small metadata only); named (with
+        ``label``) in any error, and with ``debug`` logged."""
         out: list = [None] * self.world_size
         self.ledger.calls["all_gather_object"] += 1
-        if not self.debug:
-            dist.all_gather_object(out, obj, group=self.group)
-            return out
-        what = f"rank {self.rank}: all_gather_object" + (f" for {label}" if label else "")
-        logger.debug("%s", what)
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except Exception as exc:
-            raise CollectiveError(f"{what} failed: {exc}") from exc
+        self._call("all_gather_object", None, label, False,
+                   lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
+    def barrier(self, *, label: str = "") -> None:
+        """Wait until every rank of the group arrives; named (with ``label``) in any error."""
+        self._call("barrier", None, label, False, lambda: dist.barrier(group=self.group))
+
+
+class _Failure:
+    """What a collective was, kept cheaply (no formatting) until it fails or is logged."""
+
+    __slots__ = ("comm", "op", "tensor", "label", "count", "elements")
+
+    def __init__(self, comm: "Communicator", op: str, tensor: Optional[torch.Tensor],
+                 label: str, *, count: int = 0) -> None:
+        # The tensor is read only when a message is built; an async handle keeping it holds
+        # nothing longer than the backend's work it wraps, which holds it too.
+        self.comm, self.op, self.tensor, self.label, self.count = comm, op, tensor, label, count
+        self.elements: Optional[int] = None   # of ``count`` tensors, where known
+
+    def what(self) -> str:
+        """``rank 0: reduce_scatter of (640,) torch.float32 for gradient bucket 3``."""
+        tensor = self.tensor
+        if self.count:
+            size = "" if self.elements is None else f"{self.elements} elements, "
+            of = f" of {self.count} tensors ({size}{tensor.dtype})"
+        elif tensor is not None:
+            of = f" of {tuple(tensor.shape)} {tensor.dtype}"
+        else:
+            of = ""
+        return (f"rank {self.comm.rank}: {self.op}{of}"
+                + (f" for {self.label}" if self.label else ""))
+
+    def error(self, exc: BaseException) -> CollectiveError:
+        """The CollectiveError for ``exc``: what failed, over how many ranks, with which
+        timeout, and, for a timeout, what it usually means."""
+        timeout = group_timeout(self.comm.group)
+        waited = "" if timeout is None else f", timeout {timeout.total_seconds():g}s"
+        hint = ""
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            hint = (" (a rank of the group did not join this collective in time: every rank "
+                    "must make the same collectives in the same order; comms_timeout sets "
+                    "how long a rank waits)")
+        return CollectiveError(f"{self.what()} failed (group of {self.comm.world_size} ranks"
+                               f"{waited}): {exc}{hint}")
 
 
 class _DescribedWork:
-    """An async work handle whose ``wait()`` failure names the collective."""
+    """An async work handle whose ``wait()`` failure names the collective. What it was is
+    kept as given (a ``_Failure``, or the arguments of one) and made into a message only on
+    failure: launching costs one small object."""
 
-    def __init__(self, work, what: str) -> None:
+    __slots__ = ("_work", "_what")
+
+    def __init__(self, work, what: "_Failure | tuple") -> None:
         self._work = work
         self._what = what
-        self.count = getattr(work, "count", 1)   # launches (all_gather_into_many)
 
     def wait(self, *args, **kwargs):
         try:
             return self._work.wait(*args, **kwargs)
         except Exception as exc:
-            raise CollectiveError(f"{self._what} failed: {exc}") from exc
+            what = self._what
+            raise (what if isinstance(what, _Failure) else _Failure(*what)).error(exc) from exc
 
     def is_completed(self) -> bool:
         return self._work.is_completed()

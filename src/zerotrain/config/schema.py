@@ -40,7 +40,7 @@ class ZeroTrainConfig(_Section):
     # zerotrain's own keys (not DeepSpeed's)
     comms_timeout: float = Field(1800.0, gt=0, le=31_536_000, allow_inf_nan=False)  # s
     nonfinite: Literal["raise", "skip"] = "raise"  # bf16/fp32 inf/nan gradients
-    debug: bool = False                            # name collectives and units in errors
+    debug: bool = False                            # log every collective as launched
 
     _raw: Dict[str, Any] = PrivateAttr(default_factory=dict)
     _unimplemented: List[str] = PrivateAttr(default_factory=list)

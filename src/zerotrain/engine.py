@@ -52,6 +52,7 @@ from . import checkpoint, export
 from .comm import Communicator
 from .compile import Compilation, CompileSettings
 from .config import ZeroTrainConfig
+from .engine_api import DeepSpeedEngineAPI
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from .memory import StorageLedger
@@ -64,8 +65,9 @@ from .timers import StepTimers
 logger = logging.getLogger(__name__)
 
 
-class ZeroEngine(nn.Module):
-    """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``."""
+class ZeroEngine(DeepSpeedEngineAPI, nn.Module):
+    """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``. DeepSpeed's
+    one-line configuration accessors come from :class:`DeepSpeedEngineAPI`."""
 
     def __init__(self, module: nn.Module, *, config: ZeroTrainConfig, comm: Communicator,
                  stage: Stage, policy: PrecisionPolicy, lr_scheduler: Any = None,
@@ -357,33 +359,6 @@ class ZeroEngine(nn.Module):
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def fp16_enabled(self) -> bool:
-        return self.config.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.precision == "bf16"
-
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
-
-    def wall_clock_breakdown(self) -> bool:
-        return self.config.wall_clock_breakdown
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with

@@ -283,3 +283,66 @@ def test_a_client_optimizer_not_known_to_be_elementwise_is_refused_by_name(world
         assert "zero_allow_untested_optimizer" in refused, refused
         assert out[("Adafactor", True)] == "trained"     # DeepSpeed's key steps it anyway
         assert out[("RMSprop", False)] == out[("RMSprop", True)] == "trained"
+
+
+def _deepspeed_accessors_job(rank, world):
+    """DeepSpeed's configuration accessors on three engines: a config optimizer with fp16 and
+    the optimizer offloaded, a client SGD at stage 3 with two groups, and no optimizer."""
+    import zerotrain
+
+    def answers(engine):
+        return {"dp": (engine.dp_world_size, engine.get_data_parallel_world_size(),
+                       engine.get_data_parallel_rank(), engine.mp_world_size),
+                "zero": (engine.zero_optimization(), engine.zero_optimization_stage(),
+                         engine.zero_optimization_partition_gradients(),
+                         engine.zero_optimization_partition_weights()),
+                "offload": (engine.zero_offload_optimizer() is not None and
+                            engine.zero_offload_optimizer().device, engine.zero_cpu_offload(),
+                            engine.zero_use_cpu_optimizer()),
+                "optimizer": (engine.optimizer_name(), engine.get_mom()),
+                "precision": (engine.fp16_enabled(), engine.dynamic_loss_scale()),
+                "batch": engine.get_batch_info()}
+
+    config = R.engine_config(stage=2, ga=2, precision="fp16", micro_size=3)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
+    R.train_engine(engine, steps=1, rank=rank, ga=2, micro_size=3)
+    out = {"fp16_offload": answers(engine)}
+    engine.close()
+
+    model = R.make_model()
+    groups = [{"params": [model.hidden.weight], "momentum": 0.7},
+              {"params": [p for n, p in model.named_parameters() if n != "hidden.weight"]}]
+    sgd = torch.optim.SGD(groups, lr=0.1, momentum=0.5)
+    config = R.engine_config(stage=3)
+    del config["optimizer"]
+    engine, *_ = zerotrain.initialize(model=model, optimizer=sgd, config=config)
+    out["client_sgd"] = answers(engine)
+    engine.close()
+
+    config = R.engine_config(stage=0, precision="fp16")
+    config["fp16"]["loss_scale"] = 128
+    del config["optimizer"]
+    engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
+    out["no_optimizer"] = answers(engine)
+    engine.close()
+    return out
+
+
+def test_deepspeed_engine_accessors_answer_as_deepspeeds(worlds):
+    for rank, res in enumerate(worlds.run(2, _deepspeed_accessors_job)):
+        a, b, c = res["fp16_offload"], res["client_sgd"], res["no_optimizer"]
+        for answers in (a, b, c):
+            assert answers["dp"] == (2, 2, rank, 1), answers
+        assert a["zero"] == (True, 2, True, False), a
+        assert b["zero"] == (True, 3, True, True), b
+        assert c["zero"] == (False, 0, False, False), c
+        assert a["offload"] == ("cpu", True, True), a
+        assert b["offload"] == (False, False, False) == c["offload"], b
+        assert a["optimizer"] == ("adamw", [(0.9, 0.95)]), a    # config names in lower case
+        assert b["optimizer"] == ("SGD", [0.7, 0.5]), b          # per group, the client's
+        assert c["optimizer"] == (None, []), c
+        assert a["precision"] == (True, True), a                 # loss_scale 0: dynamic
+        assert b["precision"] == (False, False), b
+        assert c["precision"] == (True, False), c                # a static scale of 128
+        assert a["batch"] == (12, 3, 2) and b["batch"] == (8, 4, 1), (a, b)

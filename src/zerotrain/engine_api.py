@@ -1,0 +1,138 @@
+"""DeepSpeed's engine accessors: the one-line questions a script asks the engine.
+
+Why a module of its own: DeepSpeed's engine carries about a hundred one-line accessors
+(``train_batch_size()``, ``zero_optimization_stage()``, ``get_mom()``...). Scripts call them,
+so the engine answers them, but they read configuration and own nothing; kept here, as a
+mixin :class:`ZeroEngine` inherits, they stay out of the engine's training logic.
+
+Each answers as DeepSpeed's engine does (``deepspeed/runtime/engine.py``), with three
+deliberate differences, each named where it is: ``get_batch_info()`` returns the three
+numbers (DeepSpeed's returns the three bound methods), ``dynamic_loss_scale()`` is False
+without fp16 (DeepSpeed says True for fp32, where nothing is scaled), and the parallelism
+is data parallelism only, so ``mp_world_size`` is 1 and the data-parallel group is the
+world.
+
+The mixin reads what the engine sets in ``__init__``: ``config`` (``ZeroTrainConfig``),
+``comm`` (its world), ``optimizer`` and ``stage`` (whose ``optimizer`` is the torch
+optimizer over the shards).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# Config optimizer types DeepSpeed names in lower case (its DEEPSPEED_OPTIMIZERS); others,
+# torch's SGD among them, keep their spelling.
+_LOWER_CASE_NAMES = frozenset({"adam", "adamw"})
+
+
+class DeepSpeedEngineAPI:
+    """DeepSpeed's configuration and parallelism accessors, for :class:`ZeroEngine`."""
+
+    config: Any
+    comm: Any
+    optimizer: Any
+    stage: Any
+
+    # ------------------------------------------------------------------ batch sizes
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``
+        (DeepSpeed's returns the three methods uncalled; these are their values)."""
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps())
+
+    # ------------------------------------------------------------------ parallelism
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks of the data-parallel group: every rank (zerotrain is data parallel only)."""
+        return self.comm.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel ranks: 1 (no tensor or pipeline parallelism)."""
+        return 1
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    # ------------------------------------------------------------------ ZeRO
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO partitions anything (stage above 0), as DeepSpeed's ``zero_enabled``."""
+        return self.config.zero_optimization.stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def zero_offload_optimizer(self) -> Any:
+        """The ``offload_optimizer`` section (its ``device``, ``pin_memory``...), or None."""
+        return self.config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self) -> Any:
+        """The ``offload_param`` section, or None."""
+        return self.config.zero_optimization.offload_param
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state is offloaded to host memory (``device: cpu``)."""
+        section = self.zero_offload_optimizer()
+        return section is not None and section.device == "cpu"
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        """Whether the optimizer steps on the host (state offloaded to ``cpu`` or ``nvme``)."""
+        section = self.zero_offload_optimizer()
+        return section is not None and section.device in ("cpu", "nvme")
+
+    # ------------------------------------------------------------------ optimizer
+    def optimizer_name(self) -> Optional[str]:
+        """The client optimizer's class name, else the config's ``optimizer.type`` (``adam``
+        and ``adamw`` in lower case, as DeepSpeed normalises them); None without one."""
+        if self.config.optimizer is not None:
+            name = self.config.optimizer.type
+            return name.lower() if name.lower() in _LOWER_CASE_NAMES else name
+        if not self.optimizer.param_groups:   # an engine for forward only
+            return None
+        return type(self.stage.optimizer).__name__
+
+    def get_mom(self) -> list:
+        """Per parameter group: ``momentum`` for SGD and RMSprop, else ``betas`` (0.0 where
+        a group lacks it)."""
+        key = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
+        return [group.get(key, 0.0) for group in self.optimizer.param_groups]
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    # ------------------------------------------------------------------ precision
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    def dynamic_loss_scale(self) -> bool:
+        """Whether fp16 runs with dynamic loss scaling (``fp16.loss_scale`` 0). False without
+        fp16 (DeepSpeed also says True for fp32, where nothing is scaled)."""
+        return self.fp16_enabled() and self.config.fp16.loss_scale == 0
+
+    # ------------------------------------------------------------------ logging
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown

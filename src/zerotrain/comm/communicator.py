@@ -287,7 +287,10 @@ class _Failure:
     def error(self, exc: BaseException) -> CollectiveError:
         """The CollectiveError for ``exc``: what failed, over how many ranks, with which
         timeout, and, for a timeout, what it usually means."""
-        timeout = group_timeout(self.comm.group)
+        try:
+            timeout = group_timeout(self.comm.group)
+        except Exception:  # noqa: BLE001 - a group torch has torn down: say nothing of it
+            timeout = None
         waited = "" if timeout is None else f", timeout {timeout.total_seconds():g}s"
         hint = ""
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():

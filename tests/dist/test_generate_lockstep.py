@@ -18,7 +18,7 @@ def _generate(rank, world):
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     engine, *_ = zerotrain.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "comms_timeout": 20,
+        "train_micro_batch_size_per_gpu": 1, "comms_timeout": 60,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     engine.eval()
     prompt = torch.tensor([[1, 2, 3]])

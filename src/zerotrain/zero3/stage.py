@@ -298,9 +298,13 @@ _LOCKSTEP_FLAG = "_is_fsdp_managed_module"
 
 
 def _mark_lockstep(module: nn.Module, on: bool) -> None:
-    """Set (or remove) transformers' "sharded: run generate() in lockstep" flag on
-    ``module`` and every submodule (``generate`` may be called on an inner model)."""
+    """Set (or remove) transformers' "sharded: run generate() in lockstep" flag on each
+    module that has a ``generate`` method (``module`` or an inner model). Only there:
+    torch.compile treats a module carrying the flag as FSDP's, and stage 3 compiles blocks,
+    which never have ``generate``."""
     for m in module.modules():
+        if not callable(getattr(type(m), "generate", None)):
+            continue
         if on:
             m.__dict__[_LOCKSTEP_FLAG] = True
         else:

@@ -48,7 +48,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("export",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine_api",), ("engine",), ("initialize",), ("__init__", "cli", "launch", "demo", "__main__"),
+    (("engine_api", "engine_reports", "ownership"), ("engine",), ("initialize",), ("__init__", "cli", "launch", "demo", "__main__"),
      ("integrations", "as_deepspeed")),
 )
 # Tiers whose members may import one another (entry points).

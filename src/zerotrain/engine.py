@@ -27,22 +27,13 @@ Note: no_sync
     does. Nesting is allowed (leaving the inner context restores the outer state, as with
     DDP's ``no_sync``; DeepSpeed refuses re-entry).
 
-Note: one open engine per model
-    A training engine's stage keeps hooks on the module's parameters (gradient reduction;
-    at stage 3 the gathers too) until ``close()``/``destroy()`` removes them. A second
-    engine over the same parameters while the first is open would have its gradients
-    taken by the first one's hooks, so each parameter records the stage that hooks it
-    (``_zerotrain_stage``, a weak reference) and ``initialize`` refuses a model that
-    one still holds (``open_stage_of``). After ``close()`` the model can be given to a new
-    engine at any stage: below stage 3 its parameters are whole and current; at stage 3
-    they stay partitioned, as after ``zero.Init``.
+One open engine per model: Note in ``ownership.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -53,10 +44,11 @@ from .comm import Communicator
 from .compile import Compilation, CompileSettings
 from .config import ZeroTrainConfig
 from .engine_api import DeepSpeedEngineAPI
+from .engine_reports import EngineReports, reach_totals
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
-from .memory import StorageLedger
 from .optim import InferenceOnlyOptimizer, ZeroOptimizer
+from .ownership import claim, close_stage
 from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
@@ -65,7 +57,7 @@ from .timers import StepTimers
 logger = logging.getLogger(__name__)
 
 
-class ZeroEngine(DeepSpeedEngineAPI, nn.Module):
+class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
     """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``. DeepSpeed's
     one-line configuration accessors come from :class:`DeepSpeedEngineAPI`."""
 
@@ -99,11 +91,11 @@ class ZeroEngine(DeepSpeedEngineAPI, nn.Module):
         self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
-        self._comm_mark = (self.global_steps, _reach_totals(comm.ledger))
+        self._comm_mark = (self.global_steps, reach_totals(comm.ledger))
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
         self._compilation: Optional[Compilation] = None
         if not self.inference_only or config.zero_optimization.stage == 3:
-            _claim(stage, module)   # Note: one open engine per model
+            claim(stage, module)   # Note: one open engine per model
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -316,14 +308,6 @@ class ZeroEngine(DeepSpeedEngineAPI, nn.Module):
             logger.info("time (ms) over the last %d steps: %s", self.config.steps_per_print,
                         {k: round(v * 1e3, 2) for k, v in self.timing_breakdown().items()})
 
-    def timing_breakdown(self) -> dict[str, float]:
-        """Seconds spent since the last call: forward, backward, step (device time from CUDA
-        events on a GPU, Note in ``timers.py``) and, when offloading,
-        the parts of the host step (docs/offload.md); counting starts afresh."""
-        times = self._timers.take()
-        times.update(self.stage.take_timings())
-        return times
-
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine does this after every update)."""
         self.stage.zero_grad()
@@ -359,46 +343,6 @@ class ZeroEngine(DeepSpeedEngineAPI, nn.Module):
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with
-        offload also host_optimizer_state or nvme_optimizer_state (file-backed),
-        host_parameters (stage-3 shards kept on the host) and host_gradients (the gradient
-        shard in its wire dtype and the upload slots of the host step); with
-        ``zero_hpz_partition_size`` also hpz_parameters (hpZ's secondary copy, Ψ/H
-        parameter-dtype elements; docs/multinode.md). Stage 3 adds two
-        figures that are not held now: gathered_after_forward, the bytes of gathered
-        parameters kept from the end of the last forward to its backward (the prefetch
-        window; what autograd saved of them holds no memory), and
-        peak_gathered_after_forward, the highest so far.
-
-        Counts distinct storages, so views of one flat buffer count once.
-        """
-        ledger = StorageLedger()
-        held = dict(self.stage.tensors_by_category())
-        ledger.add("parameters", list(self.module.parameters()) + held.pop("parameters", []))
-        ledger.add("gradients", held.pop("gradients", []))
-        ledger.add("optimizer_state", held.pop("optimizer_state", []))
-        for category, tensors in held.items():
-            if tensors:
-                ledger.add(category, tensors)
-        ledger.add("buffers", list(self.module.buffers()))
-        return {**ledger.bytes, **self.stage.memory_peaks()}
-
-    def communication_breakdown(self) -> dict[str, Any]:
-        """Bytes this rank's collectives carried since the last call, by reach and operation:
-        ``{"steps": optimizer steps in the window, "intra_node": {op: bytes}, "cross_node":
-        {op: bytes}}``. A group spanning nodes counts as cross-node (Note: intra-node and
-        cross-node bytes in ``comm/ledger.py``); nodes come from torchrun's ``LOCAL_WORLD_SIZE``
-        and ``GROUP_RANK``. Counting starts afresh after each call."""
-        steps, before = self._comm_mark
-        now = _reach_totals(self.comm.ledger)
-        self._comm_mark = (self.global_steps, now)
-        out: dict[str, Any] = {"steps": self.global_steps - steps}
-        for reach, totals in now.items():
-            diff = {op: n - before[reach].get(op, 0) for op, n in totals.items()}
-            out[reach] = {op: n for op, n in diff.items() if n}
-        return out
 
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""
@@ -493,42 +437,5 @@ class ZeroEngine(DeepSpeedEngineAPI, nn.Module):
         return result.path, result.client_state
 
 
-def _reach_totals(ledger) -> dict[str, dict[str, int]]:
-    return {reach: dict(counter) for reach, counter in ledger.by_reach.items()}
-
-
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
-
-
-def _claim(stage: Stage, module: nn.Module) -> None:
-    """Record on each parameter the stage whose hooks it carries (a weak reference: the
-    hooks keep the stage alive as long as they are installed, even when the engine was
-    dropped without ``close()``; a ``deepcopy`` of the module is not claimed)."""
-    stage.zerotrain_params = frozenset(id(p) for p in module.parameters())
-    stage.zerotrain_closed = False
-    ref = weakref.ref(stage)
-    for p in module.parameters():
-        p._zerotrain_stage = ref
-
-
-def close_stage(stage: Stage, module: nn.Module) -> None:
-    """Close ``stage`` (offload resources, hooks) and release ``module``'s parameters."""
-    stage.close()
-    stage.zerotrain_closed = True
-    for p in module.parameters():
-        ref = getattr(p, "_zerotrain_stage", None)
-        if ref is not None and ref() is stage:
-            del p._zerotrain_stage
-
-
-def open_stage_of(module: nn.Module) -> Optional[tuple[str, Stage]]:
-    """The first of ``module``'s parameters (by name) whose hooks belong to an open stage,
-    with that stage; None when none is held (Note: one open engine per model)."""
-    for name, p in module.named_parameters():
-        ref = getattr(p, "_zerotrain_stage", None)
-        stage = ref() if ref is not None else None
-        if (stage is not None and not getattr(stage, "zerotrain_closed", True)
-                and id(p) in stage.zerotrain_params):
-            return name, stage
-    return None

@@ -41,7 +41,8 @@ from .compile import refuse_precompiled
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
 from .dataloader import DistributedLoader
-from .engine import ZeroEngine, close_stage, open_stage_of
+from .engine import ZeroEngine
+from .ownership import close_stage, open_stage_of
 from .errors import ConfigError, RankMismatchError, StateError
 from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimizer,
                     param_groups_from, retarget_optimizer)

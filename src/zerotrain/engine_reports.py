@@ -1,0 +1,76 @@
+"""What the engine reports about a rank: memory by category, collective bytes by reach,
+time per part of a step.
+
+Why a module of its own: these read the stage, the module and the ledgers and change
+nothing; kept apart, as a mixin :class:`~zerotrain.engine.ZeroEngine` inherits, they stay
+out of the engine's training logic. The mixin reads what the engine sets in ``__init__``:
+``module``, ``stage``, ``comm``, ``global_steps``, ``_timers`` and ``_comm_mark``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .memory import StorageLedger
+
+
+class EngineReports:
+    """``memory_breakdown()``, ``communication_breakdown()``, ``timing_breakdown()``."""
+
+    module: Any
+    stage: Any
+    comm: Any
+    global_steps: int
+    _timers: Any
+    _comm_mark: tuple
+
+    def timing_breakdown(self) -> dict[str, float]:
+        """Seconds spent since the last call: forward, backward, step (device time from CUDA
+        events on a GPU, Note in ``timers.py``) and, when offloading,
+        the parts of the host step (docs/offload.md); counting starts afresh."""
+        times = self._timers.take()
+        times.update(self.stage.take_timings())
+        return times
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with
+        offload also host_optimizer_state or nvme_optimizer_state (file-backed),
+        host_parameters (stage-3 shards kept on the host) and host_gradients (the gradient
+        shard in its wire dtype and the upload slots of the host step); with
+        ``zero_hpz_partition_size`` also hpz_parameters (hpZ's secondary copy, Ψ/H
+        parameter-dtype elements; docs/multinode.md). Stage 3 adds two
+        figures that are not held now: gathered_after_forward, the bytes of gathered
+        parameters kept from the end of the last forward to its backward (the prefetch
+        window; what autograd saved of them holds no memory), and
+        peak_gathered_after_forward, the highest so far.
+
+        Counts distinct storages, so views of one flat buffer count once.
+        """
+        ledger = StorageLedger()
+        held = dict(self.stage.tensors_by_category())
+        ledger.add("parameters", list(self.module.parameters()) + held.pop("parameters", []))
+        ledger.add("gradients", held.pop("gradients", []))
+        ledger.add("optimizer_state", held.pop("optimizer_state", []))
+        for category, tensors in held.items():
+            if tensors:
+                ledger.add(category, tensors)
+        ledger.add("buffers", list(self.module.buffers()))
+        return {**ledger.bytes, **self.stage.memory_peaks()}
+
+    def communication_breakdown(self) -> dict[str, Any]:
+        """Bytes this rank's collectives carried since the last call, by reach and operation:
+        ``{"steps": optimizer steps in the window, "intra_node": {op: bytes}, "cross_node":
+        {op: bytes}}``. A group spanning nodes counts as cross-node (Note: intra-node and
+        cross-node bytes in ``comm/ledger.py``); nodes come from torchrun's ``LOCAL_WORLD_SIZE``
+        and ``GROUP_RANK``. Counting starts afresh after each call."""
+        steps, before = self._comm_mark
+        now = reach_totals(self.comm.ledger)
+        self._comm_mark = (self.global_steps, now)
+        out: dict[str, Any] = {"steps": self.global_steps - steps}
+        for reach, totals in now.items():
+            diff = {op: n - before[reach].get(op, 0) for op, n in totals.items()}
+            out[reach] = {op: n for op, n in diff.items() if n}
+        return out
+
+
+def reach_totals(ledger) -> dict[str, dict[str, int]]:
+    return {reach: dict(counter) for reach, counter in ledger.by_reach.items()}

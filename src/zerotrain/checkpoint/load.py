@@ -33,6 +33,7 @@ from . import client_state, deepspeed, fs, rng
 from .manifest import CheckpointError, file_identity_check, read_manifest
 from .match import check_group_values, check_groups, check_model
 from .reshard import SourceIndex, target_range
+from .staging import commit_tensors, state_target
 from .state import COUNTERS, CheckpointReport, LoadResult, TrainingState, shard_rank
 from .stfile import DTYPES_BY_NAME, Reader
 
@@ -128,16 +129,7 @@ def _stage(state: TrainingState, path: str, *, with_optimizer: bool, with_small:
 
 def _commit(state: TrainingState, staged: _Staged) -> None:
     """Apply what :func:`_stage` read: copies and assignments that cannot fail."""
-    with torch.no_grad():
-        for target, value in staged.tensors:
-            target.copy_(value)
-    for record, fresh, copies in staged.states:
-        for target, value in copies:
-            target.copy_(value)
-        live = record.optimizer_state
-        live.clear()
-        live.update(fresh)
-        state.optimizer.state[record.master] = live
+    commit_tensors(state, staged.tensors, staged.states)
     if staged.small is not None:
         _restore_small(state, staged.small)
     if staged.rng is not None:
@@ -190,20 +182,11 @@ def _stage_record(state: TrainingState, index: SourceIndex, reader: Reader, reco
     fresh: dict[str, Any] = {}
     copies = []
     for key, value in values.items():
-        fresh[key] = _target(record.optimizer_state.get(key), record.master)
+        fresh[key] = state_target(record.optimizer_state.get(key), record.master)
         copies.append((fresh[key], value))
     fresh.update({key: _scalar(spec, group, record.master) for key, spec in scalars.items()})
     fresh.update({key: None for key in nones})
     staged.states.append((record, fresh, copies))
-
-
-def _target(live: Any, master: torch.Tensor) -> torch.Tensor:
-    """Where a state tensor will live: the live one when it fits (offloaded state stays in
-    its host or NVMe storage), else a new one like the master (not yet in use)."""
-    if (isinstance(live, torch.Tensor) and live.shape == master.shape
-            and live.dtype == master.dtype and live.device == master.device):
-        return live
-    return torch.zeros_like(master)
 
 
 def _state_spec(index: SourceIndex, names) -> tuple[list, dict, list]:

@@ -25,6 +25,7 @@ from ...records import FROZEN
 from ..match import model_shapes
 from ..manifest import CheckpointError
 from ..reshard import target_range
+from ..staging import commit_tensors, state_target
 from ..state import CheckpointReport, LoadResult, TrainingState, shard_rank
 from .source import DeepSpeedCheckpoint
 
@@ -106,16 +107,7 @@ def _stage(state: TrainingState, path: str, *, with_optimizer: bool, with_small:
 
 def _commit(state: TrainingState, staged: _Staged) -> None:
     """Apply what :func:`_stage` read."""
-    with torch.no_grad():
-        for target, value in staged.tensors:
-            target.copy_(value)
-    for record, fresh, copies in staged.states:
-        for target, value in copies:
-            target.copy_(value)
-        live = record.optimizer_state
-        live.clear()
-        live.update(fresh)
-        state.optimizer.state[record.master] = live
+    commit_tensors(state, staged.tensors, staged.states)
     if staged.hyperparameters is not None:
         for group, saved in zip(state.optimizer.param_groups, staged.hyperparameters):
             for key, value in saved.items():
@@ -188,7 +180,7 @@ def _stage_record(state: TrainingState, ckpt: DeepSpeedCheckpoint, record, stage
     fresh: dict[str, Any] = {}
     copies = []
     for key, value in values.items():
-        fresh[key] = _target(record.optimizer_state.get(key), record.master)
+        fresh[key] = state_target(record.optimizer_state.get(key), record.master)
         copies.append((fresh[key], value))
     if step is not None and fresh:
         fresh["step"] = _step_value(step, group, record.master)
@@ -205,15 +197,6 @@ def _state_spec(ckpt: DeepSpeedCheckpoint, names) -> tuple[list[str], Optional[f
                                   f"states that differ ({found[0]} vs {other}); cannot merge "
                                   "them into one shard")
     return found[0]
-
-
-def _target(live: Any, master: torch.Tensor) -> torch.Tensor:
-    """Where a state tensor will live: the live one when it fits (offloaded state stays in
-    its host or NVMe storage; written only on commit), else a new one like the master."""
-    if (isinstance(live, torch.Tensor) and live.shape == master.shape
-            and live.dtype == master.dtype and live.device == master.device):
-        return live
-    return torch.zeros_like(master)
 
 
 def _step_value(step: float, group: dict, master: torch.Tensor) -> torch.Tensor:

@@ -204,12 +204,7 @@ class GatheredParameters:
         for p in self.params:
             if p.numel() == p.ds_numel:  # already whole (its unit is gathered)
                 continue
-            comm = _shard_comm(p, self.comm)
-            chunk = _chunk_values(p).to(comm.device)   # offloaded shards live on the host
-            out = torch.empty(comm.world_size * chunk.numel(), dtype=chunk.dtype,
-                              device=chunk.device)
-            comm.all_gather(out, chunk.contiguous())
-            p.data = P.fill_full(p, out).to(device=_compute_device(p), dtype=p.dtype).clone()
+            p.data = _gather_full(p, _shard_comm(p, self.comm), _compute_device(p))
             self._gathered.append(p)
         P.mark(self._gathered, P.ZeroParamStatus.AVAILABLE)
         return self
@@ -253,16 +248,12 @@ def unpartition(params: Iterable[nn.Parameter], comm: Communicator) -> int:
     for p in params:
         if not P.is_partitioned(p):
             continue
-        chunk = p.ds_tensor.to(comm.device).contiguous()
-        if chunk.numel() != P.chunk_numel(p.ds_numel, comm.world_size):
+        if p.ds_tensor.numel() != P.chunk_numel(p.ds_numel, comm.world_size):
             raise StateError(
                 f"a parameter of shape {tuple(p.ds_shape)} was partitioned by zero.Init over "
                 f"a group other than the {comm.world_size} data-parallel ranks: build the "
                 "model outside zero.Init to train it at stages 0-2")
-        out = torch.empty(comm.world_size * chunk.numel(), dtype=chunk.dtype,
-                          device=chunk.device)
-        comm.all_gather(out, chunk)
-        p.data = P.fill_full(p, out).to(device=p.ds_tensor.device, dtype=p.dtype).clone()
+        p.data = _gather_full(p, comm, p.ds_tensor.device)
         p.ds_tensor = None
         p.ds_status = P.ZeroParamStatus.AVAILABLE
         whole += 1
@@ -273,6 +264,15 @@ def _frozen_index(p: nn.Parameter) -> Optional[int]:
     """``p``'s place among its unit's int8 frozen chunks, or None."""
     unit = getattr(p, "ds_unit", None)
     return unit.frozen_index(p) if unit is not None else None
+
+
+def _gather_full(p: nn.Parameter, comm: Communicator, device: torch.device) -> torch.Tensor:
+    """A partitioned parameter's full value on ``device``, all-gathered from every rank's
+    chunk over ``comm`` (collective; offloaded chunks live on the host)."""
+    chunk = _chunk_values(p).to(comm.device).contiguous()
+    out = torch.empty(comm.world_size * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
+    comm.all_gather(out, chunk)
+    return P.fill_full(p, out).to(device=device, dtype=p.dtype).clone()
 
 
 def _chunk_values(p: nn.Parameter) -> torch.Tensor:

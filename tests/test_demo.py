@@ -70,18 +70,23 @@ def test_bad_config_is_refused_before_any_process_starts(tmp_path):
     assert done.returncode == 2 and "did you mean zero_optimization" in done.stderr
 
 
-def test_report_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch):
-    from zerotrain.demo.report import write_report
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
-    results = {
+def _results(*, gradients: int) -> dict:
+    """What the demo's ranks hand the report: 2 steps at stage 2 on 2 ranks."""
+    return {
         "history": {"train": [(1, 5.0, 0.5), (2, 4.0, 1.0)], "val": [(0, 5.5), (2, 4.2)],
                     "train_seconds": 1.0, "tokens_per_step": 100},
-        "sample": "def f():", "memory": [{"parameters": 400, "gradients": 200,
+        "sample": "def f():", "memory": [{"parameters": 400, "gradients": gradients,
                                           "optimizer_state": 400, "buffers": 0}] * 2,
         "checkpoint": None, "world_size": 2, "stage": 2, "num_params": 100,
         "marks": {"initialized": 1.0, "trained": 2.0}, "train_files": 9, "val_files": 1,
         "train_bytes": 10**6, "val_bytes": 10**5, "val_loss_uniform": 5.545}
+
+
+def test_report_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch):
+    from zerotrain.demo.report import write_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    results = _results(gradients=200)
     text = write_report(results, config=default_config(stage=2, steps=2, micro_batch=1),
                         out_dir=tmp_path, launched_at=0.0, finished_at=3.0)
     assert (tmp_path / "loss.csv").exists() and not (tmp_path / "loss.png").exists()
@@ -94,14 +99,7 @@ def test_report_says_why_freed_gradient_shards_read_zero(tmp_path, monkeypatch):
     from zerotrain.demo.report import write_report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    results = {
-        "history": {"train": [(1, 5.0, 0.5), (2, 4.0, 1.0)], "val": [(0, 5.5), (2, 4.2)],
-                    "train_seconds": 1.0, "tokens_per_step": 100},
-        "sample": "def f():", "memory": [{"parameters": 400, "gradients": 0,
-                                          "optimizer_state": 400, "buffers": 0}] * 2,
-        "checkpoint": None, "world_size": 2, "stage": 2, "num_params": 100,
-        "marks": {"initialized": 1.0, "trained": 2.0}, "train_files": 9, "val_files": 1,
-        "train_bytes": 10**6, "val_bytes": 10**5, "val_loss_uniform": 5.545}
+    results = _results(gradients=0)
     args = dict(config=default_config(stage=2, steps=2, micro_batch=1), out_dir=tmp_path,
                 launched_at=0.0, finished_at=3.0)
     text = " ".join(write_report(results, **args).split())

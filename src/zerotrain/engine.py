@@ -328,8 +328,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         if not isinstance(is_boundary, bool):
             raise TypeError(f"set_gradient_accumulation_boundary() takes a bool, got "
                             f"{type(is_boundary).__name__}")
-        self._boundary_override = is_boundary
-        self.stage.begin_backward(is_boundary)
+        self._boundary_override = is_boundary   # the next backward() tells the stage
 
     def was_step_applied(self) -> bool:
         return bool(self._last_outcome and self._last_outcome.applied)

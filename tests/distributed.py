@@ -10,17 +10,39 @@ suite pays the start-up of a world once per world size.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240
+_POLL_S = 1.0          # how often the pool checks that every rank is still alive
+_STACK_DUMP_WAIT_S = 3.0
+
+
+def _watch_faults() -> None:
+    """A crashing rank prints its Python stack (SIGSEGV, SIGABRT, ...), and a hung one
+    prints every thread's stack on SIGUSR1, so a failure names the line it happened on."""
+    faulthandler.enable(all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _describe_exit(code) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _rank_entry(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str,
@@ -28,6 +50,7 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, store_path: str, out_d
     import torch
     import torch.distributed as dist
 
+    _watch_faults()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -64,6 +87,7 @@ def run_world(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIM
         for p in procs:
             p.join(timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        _dump_stacks([procs[r] for r in hung])
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -75,7 +99,7 @@ def run_world(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIM
             path = os.path.join(tmp, f"rank{r}.pkl")
             if not os.path.exists(path):
                 raise RuntimeError(f"rank {r} died without a result "
-                                   f"(exit code {procs[r].exitcode})")
+                                   f"({_describe_exit(procs[r].exitcode)})")
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
     if expect_error:
@@ -91,6 +115,7 @@ def _pool_rank(rank: int, world_size: int, store_path: str, tasks, results) -> N
     import torch
     import torch.distributed as dist
 
+    _watch_faults()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -111,6 +136,17 @@ def _pool_rank(rank: int, world_size: int, store_path: str, tasks, results) -> N
                       "traceback": traceback.format_exc()}
         results.put((rank, pickle.dumps(result)))
     dist.destroy_process_group()
+
+
+def _dump_stacks(procs) -> None:
+    """Ask hung ranks to print every thread's Python stack (see :func:`_watch_faults`)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGUSR1)
+    if procs:
+        time.sleep(_STACK_DUMP_WAIT_S)
 
 
 class WorldPool:
@@ -139,14 +175,13 @@ class WorldPool:
         for q in self._tasks:
             q.put((fn, args, kwargs, list(sys.path)))
         results: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
         while len(results) < self.world_size:
             try:
-                rank, payload = self._results.get(timeout=timeout)
+                rank, payload = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                self.close()
-                missing = sorted(set(range(self.world_size)) - set(results))
-                raise TimeoutError(f"ranks {missing} of {self.world_size} gave no result "
-                                   f"within {timeout}s (the pool was shut down)") from None
+                self._check_progress(results, deadline, timeout)
+                continue
             results[rank] = pickle.loads(payload)
         ordered = [results[r] for r in range(self.world_size)]
         if expect_error:
@@ -157,6 +192,27 @@ class WorldPool:
             rank, res = failed[0]
             raise AssertionError(f"rank {rank} failed: {res['error']}\n{res['traceback']}")
         return [res["value"] for res in ordered]
+
+    def _check_progress(self, results: dict[int, dict], deadline: float,
+                        timeout: float) -> None:
+        """Fail at once when a rank died (naming its signal and what the others said),
+        or at the deadline when one hangs (after it printed its stacks)."""
+        missing = sorted(set(range(self.world_size)) - set(results))
+        dead = [r for r in missing if not self._procs[r].is_alive()]
+        if dead:
+            exits = ", ".join(f"rank {r} {_describe_exit(self._procs[r].exitcode)}"
+                              for r in dead)
+            others = "".join(f"\nrank {r}: {res['error']}" for r, res in sorted(results.items())
+                             if not res["ok"])
+            self.close()
+            raise RuntimeError(f"{exits} without a result (its stack, if it crashed, is in "
+                               f"the captured stderr){others}")
+        if time.monotonic() > deadline:
+            _dump_stacks([self._procs[r] for r in missing])
+            self.close()
+            raise TimeoutError(f"ranks {missing} of {self.world_size} gave no result "
+                               f"within {timeout}s (their stacks are in the captured stderr; "
+                               f"the pool was shut down)")
 
     def close(self) -> None:
         for q in self._tasks:

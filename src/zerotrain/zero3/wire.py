@@ -113,6 +113,15 @@ class Gatherings:
         for part in self._parts:
             part.wait()
 
+    def settle(self) -> None:
+        """Wait for every part, ignoring their errors: a later launch failed, and ``full``
+        may be freed only once nothing writes into it any more."""
+        for part in self._parts:
+            try:
+                part.wait()
+            except Exception:   # the launch failure is the error that is reported
+                pass
+
 
 def gather_pieces(slices: Sequence, segments: Sequence[torch.Tensor], shard: torch.Tensor,
                   world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -178,11 +187,15 @@ class UnitWire:
         if unit.frozen is not None and unit.frozen.packed.numel():
             packed, launch = unit.frozen_on_device()
             world = self.comm.world_size
-            with _after_compute(launch, unit.device):
-                out = torch.empty(world * packed.numel(), dtype=packed.dtype,
-                                  device=packed.device)
-                work = self.comm.all_gather(out, packed, async_op=True,
-                                            label=f"{label} (int8 frozen)")
+            try:
+                with _after_compute(launch, unit.device):
+                    out = torch.empty(world * packed.numel(), dtype=packed.dtype,
+                                      device=packed.device)
+                    work = self.comm.all_gather(out, packed, async_op=True,
+                                                label=f"{label} (int8 frozen)")
+            except BaseException:
+                Gatherings(parts).settle()   # the caller frees ``full`` next
+                raise
             parts.append(FrozenGathering(work, out.view(world, -1), unit.frozen,
                                          unit.segments, world))
         return Gatherings(parts)

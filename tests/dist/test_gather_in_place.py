@@ -3,12 +3,14 @@
 Over one training step (forward, backward, step) at world size 3 (uneven splits, padded
 segments), every gather a unit launches is spied on at the communicator: each output must
 be a slice of that unit's ``full`` storage, and the launches counted by the ledger must be
-one per unit gather (a unit's per-parameter gathers are coalesced). A dispatch mode counts
+one per gathered parameter piece on the host (on a device a unit's per-parameter gathers
+are coalesced into one: ``tests/gpu``). A dispatch mode counts
 the elements that torch operations write into any unit's ``full`` storage from Python:
 none with plain gathers, hpZ's secondary gathers and host-resident shards
 (``offload_param``); exactly the gathered elements with qwZ, whose int8 rows must be
 decoded and written into the views. The communicator's gathers into several outputs give
-the same values coalesced and launched one by one (a backend that refuses to coalesce).
+the same values coalesced (forced on the host, and waited for at once) and launched one by
+one (host tensors, or a backend that refuses to coalesce).
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,10 +71,11 @@ def _step(rank, world, name):
             unit = next(u for u in units
                         if label.split(" (")[0] == f"unit {u.spec.name or '<root>'}")
             launches.append(label)
+            pieces.append(len(outputs))
             misplaced.extend(o.numel() for o in outputs if not _inside(o, unit.full))
             return _call(outputs, inputs, label=label)
         comm.all_gather_into_many = spy
-    starts = []
+    starts, pieces = [], []
     start = wire.start
     wire.start = lambda unit, *, label: (starts.append(unit.numel), start(unit, label=label))[1]
     engine.comm.ledger.reset()
@@ -83,17 +86,23 @@ def _step(rank, world, name):
     calls = engine.comm.ledger.calls["all_gather"]
     engine.close()
     return {"launches": launches, "misplaced": misplaced, "written": writes.written,
-            "gathers": len(starts), "gathered_numel": sum(starts), "calls": calls}
+            "gathers": len(starts), "gathered_numel": sum(starts), "calls": calls,
+            "pieces": sum(pieces)}
 
 
 def _many(rank, world):
-    """Three gathers into views of one buffer: coalesced, then with the coalescing manager
-    refusing (each launched alone); the buffers and the ledger's launches."""
+    """Three gathers into views of one buffer: coalesced (forced: host tensors are gathered
+    one by one), one by one, and with the coalescing manager refusing; the buffers and the
+    ledger's launches."""
     import zerotrain.comm.communicator as C   # where Communicator looks up _coalescing_manager
     out = {}
-    for refuse in (False, True):
+    for how in ("coalesced", "host", "refused"):
         comm = C.Communicator()
-        if refuse:
+        if how == "coalesced":
+            comm._coalesces = lambda outputs: len(outputs) > 1 and comm._coalesce
+        if how == "refused":
+            comm._coalesces = lambda outputs: comm._coalesce
+
             def refusing(*args, **kwargs):
                 raise RuntimeError("backend does not implement coalescing")
             C._coalescing_manager, saved = refusing, C._coalescing_manager
@@ -105,9 +114,9 @@ def _many(rank, world):
             outputs.append(buffer[offset: offset + world * n])
             offset += world * n
         comm.all_gather_into_many(outputs, inputs, label="test").wait()
-        if refuse:
+        if how == "refused":
             C._coalescing_manager = saved
-        out[refuse] = (buffer, dict(comm.ledger.calls), dict(comm.ledger.elements))
+        out[how] = (buffer, dict(comm.ledger.calls), dict(comm.ledger.elements))
     return out
 
 
@@ -118,20 +127,23 @@ def _grid(rank, world):
 def test_gathers_write_into_the_units_full_buffer_without_copies(worlds):
     for per_case in worlds.run(3, _grid):
         many = per_case.pop("many")
-        (coalesced, calls, elements), (alone, alone_calls, alone_elements) = many[False], many[True]
         expected = torch.cat([-torch.ones(1)] + [torch.arange(n, dtype=torch.float32) + 100 * r
                                                  for n in (2, 5, 1) for r in range(3)])
-        assert torch.equal(coalesced, expected) and torch.equal(alone, expected)
-        assert calls == {"all_gather": 1} and alone_calls == {"all_gather": 3}
-        assert elements == alone_elements == {"all_gather": 3 * 8}
+        for how, launches in (("coalesced", 1), ("host", 3), ("refused", 3)):
+            buffer, calls, elements = many[how]
+            assert torch.equal(buffer, expected), how
+            assert calls == {"all_gather": launches}, (how, calls)
+            assert elements == {"all_gather": 3 * 8}, (how, elements)
         for name, res in per_case.items():
             assert res["gathers"] > 0, name
-            assert res["calls"] == res["gathers"], (name, res)   # one launch per unit gather
             if name == "qwz":   # int8 rows, decoded into the views: one write per element
+                assert res["calls"] == res["gathers"], (name, res)   # one int8 gather each
                 assert res["launches"] == [], name
                 assert res["written"] == res["gathered_numel"] > 0, (name, res)
                 continue
             assert len(res["launches"]) == res["gathers"], (name, res)
+            # host tensors: one launch per parameter piece of each unit gather
+            assert res["calls"] == res["pieces"] > res["gathers"], (name, res)
             assert res["misplaced"] == [], (name, res)
             assert res["written"] == 0, (name, res)
         assert any("(hpZ)" in label for label in per_case["hpz"]["launches"])

@@ -18,8 +18,9 @@ Note: gathering in place
     (``GroupSlice.column`` plus ``FlatLayout.shard_slice``), and the gathered chunks, in rank
     order, are ``p`` itself followed by its zero padding. So each parameter is all-gathered
     on its own, straight into its segment of the unit's ``full`` buffer (``unit.py``,
-    Note: unit tensors), and all of a unit's gathers go out as one launch
-    (``Communicator.all_gather_into_many``). Nothing is copied after the gather: the
+    Note: unit tensors), and all of a unit's gathers go out as one launch on a GPU
+    (``Communicator.all_gather_into_many``; on the host one launch each, Note "coalesced
+    gathers" there). Nothing is copied after the gather: the
     parameters' views read the values where the collective wrote them. The same holds for
     the secondary partition (its chunks have the same structure over H ranks). Only qwZ
     copies: its int8 rows have to be decoded anyway, and the decoded values are written

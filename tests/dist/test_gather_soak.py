@@ -6,7 +6,7 @@ dozen steps of this model at 3 ranks (``malloc(): unaligned tcache chunk``, ``do
 or corruption``), so host gathers go out one by one (Note "coalesced gathers" in
 ``comm/communicator.py``). This runs the same kind of model long enough for that to show:
 six residual blocks of uneven widths, prefetch on, no reuse, every unit released between
-forward and backward. With host gathers coalesced it failed in 2 runs of 3 (a rank
+forward and backward. With host gathers coalesced it failed 2 of the 3 tries (a rank
 killed by SIGABRT); the pool reports a rank that dies by its signal.
 """
 import torch

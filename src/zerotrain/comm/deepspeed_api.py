@@ -210,14 +210,15 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM,
 def all_gather_coalesced(output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                          group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
     """Every rank's ``input_tensors[i]`` concatenated in rank order into ``output_tensors[i]``,
-    launched together (one coalesced launch where torch has a coalescing manager)."""
+    launched together (one coalesced launch on a device where torch has a coalescing
+    manager; host tensors one by one, Note "coalesced gathers" in ``communicator.py``)."""
     _require_group("all_gather_coalesced")
     if len(output_tensors) != len(input_tensors):
         raise ValueError(f"comm.all_gather_coalesced got {len(output_tensors)} outputs for "
                          f"{len(input_tensors)} inputs")
     pairs = list(zip(output_tensors, input_tensors))
     launches = None
-    if has_coalescing_manager() and len(pairs) > 1:
+    if has_coalescing_manager() and len(pairs) > 1 and output_tensors[0].device.type != "cpu":
         try:
             with _coalescing_manager(group, None, async_ops=True) as manager:
                 for output, input in pairs:

@@ -86,7 +86,7 @@ class Communicator:
         self.topology = topology or Topology.single_node(dist.get_rank(),
                                                          dist.get_world_size())
         self.reach = "cross_node" if self.topology.spans_nodes(self.ranks) else "intra_node"
-        self._coalesce = _coalescing_manager is not None   # Note: coalesced gathers
+        self._coalesce = True   # until the backend refuses (Note: coalesced gathers)
 
     # ------------------------------------------------------------------ topology
     def discover_topology(self) -> Topology:
@@ -204,27 +204,18 @@ class Communicator:
 
     def _gather_many(self, outputs: Sequence[torch.Tensor],
                      inputs: Sequence[torch.Tensor]) -> "_Launches":
-        """Launch the gathers: coalesced on a device, else one by one (Note: coalesced
-        gathers); a refused coalesced call is logged once and not tried again."""
-        pairs = list(zip(outputs, inputs))
-        if self._coalesces(outputs):
-            try:
-                with _coalescing_manager(self.group, None, async_ops=True) as cm:
-                    for output, input in pairs:
-                        _all_gather(output, input, group=self.group, async_op=True)
-                return _Launches(list(cm.works), 1, inputs)
-            except (RuntimeError, NotImplementedError, ValueError) as exc:
-                _drop_coalescing_state(self.group)
-                logger.info("coalesced all-gather unavailable (%s); gathering one by one", exc)
-                self._coalesce = False
-        works = [_all_gather(output, input, group=self.group, async_op=True)
-                 for output, input in pairs]
-        return _Launches(works, len(works), inputs)
+        """Launch the gathers (Note: coalesced gathers); a refused coalesced call is logged
+        once and not tried again."""
+        launches, refused = launch_gathers(outputs, inputs, self.group,
+                                           coalesce=self._coalesces(outputs))
+        if refused is not None:
+            logger.info("coalesced all-gather unavailable (%s); gathering one by one", refused)
+            self._coalesce = False
+        return launches
 
     def _coalesces(self, outputs: Sequence[torch.Tensor]) -> bool:
-        """Whether these gathers go out as one launch: on a device only (Note: coalesced
-        gathers)."""
-        return len(outputs) > 1 and self._coalesce and outputs[0].device.type != "cpu"
+        """Whether these gathers go out as one launch (Note: coalesced gathers)."""
+        return self._coalesce and coalescable(outputs)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, async_op: bool = False,
                   label: str = ""):
@@ -333,6 +324,34 @@ class _DescribedWork:
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+def coalescable(outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether gathers into ``outputs`` may go out as one launch: several, on a device, with
+    a torch that has the coalescing manager (Note: coalesced gathers)."""
+    return (len(outputs) > 1 and _coalescing_manager is not None
+            and outputs[0].device.type != "cpu")
+
+
+def launch_gathers(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                   group: Optional[dist.ProcessGroup], *, coalesce: bool
+                   ) -> tuple["_Launches", Optional[Exception]]:
+    """All-gather each ``inputs[i]`` into ``outputs[i]``, asynchronously: as one coalesced
+    launch when ``coalesce``, else one by one in order. Also returns the error of a backend
+    that refused to coalesce (the gathers then went out one by one), or None."""
+    refused = None
+    if coalesce:
+        try:
+            with _coalescing_manager(group, None, async_ops=True) as cm:
+                for output, input in zip(outputs, inputs):
+                    _all_gather(output, input, group=group, async_op=True)
+            return _Launches(list(cm.works), 1, inputs), None
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            _drop_coalescing_state(group)
+            refused = exc
+    works = [_all_gather(output, input, group=group, async_op=True)
+             for output, input in zip(outputs, inputs)]
+    return _Launches(works, len(works), inputs), refused
 
 
 def _drop_coalescing_state(group: Optional[dist.ProcessGroup]) -> None:

@@ -19,8 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .communicator import (_all_gather, _coalescing_manager, _drop_coalescing_state, _Launches,
-                           _reduce_scatter)
+from .communicator import _all_gather, _reduce_scatter, coalescable, launch_gathers
 
 ReduceOp = dist.ReduceOp
 
@@ -216,19 +215,8 @@ def all_gather_coalesced(output_tensors: list[torch.Tensor], input_tensors: list
     if len(output_tensors) != len(input_tensors):
         raise ValueError(f"comm.all_gather_coalesced got {len(output_tensors)} outputs for "
                          f"{len(input_tensors)} inputs")
-    pairs = list(zip(output_tensors, input_tensors))
-    launches = None
-    if has_coalescing_manager() and len(pairs) > 1 and output_tensors[0].device.type != "cpu":
-        try:
-            with _coalescing_manager(group, None, async_ops=True) as manager:
-                for output, input in pairs:
-                    _all_gather(output, input, group=group, async_op=True)
-            launches = _Launches(list(manager.works), 1, input_tensors)
-        except (RuntimeError, NotImplementedError, ValueError):
-            _drop_coalescing_state(group)   # the backend refused: gather one by one
-    if launches is None:
-        launches = _Launches([_all_gather(output, input, group=group, async_op=True)
-                              for output, input in pairs], len(pairs), input_tensors)
+    launches, _ = launch_gathers(output_tensors, input_tensors, group,
+                                 coalesce=coalescable(output_tensors))
     if async_op:
         return launches
     launches.wait()

@@ -154,9 +154,7 @@ class Communicator:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        async_op: bool = False, label: str = ""):
         """Sum ``input`` (``world * n`` elements) over ranks; rank r gets slice r in ``output``."""
-        if input.numel() != output.numel() * self.world_size:
-            raise ValueError(f"reduce_scatter input has {input.numel()} elements, expected "
-                             f"{self.world_size} x {output.numel()}")
+        self._check_world_sized("reduce_scatter input", input, output)
         self.check_devices("reduce_scatter", label, output, input)
         self.ledger.record("reduce_scatter", input, reach=self.reach)
         return self._call("reduce_scatter", input, label, async_op, lambda: _reduce_scatter(
@@ -165,9 +163,7 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    label: str = ""):
         """Concatenate every rank's ``input`` (``n`` elements) into ``output`` in rank order."""
-        if output.numel() != input.numel() * self.world_size:
-            raise ValueError(f"all_gather output has {output.numel()} elements, expected "
-                             f"{self.world_size} x {input.numel()}")
+        self._check_world_sized("all_gather output", output, input)
         self.check_devices("all_gather", label, output, input)
         self.ledger.record("all_gather", output, reach=self.reach)
         return self._call("all_gather", output, label, async_op, lambda: _all_gather(
@@ -186,9 +182,7 @@ class Communicator:
             raise ValueError(f"all_gather_into_many got {len(outputs)} outputs for "
                              f"{len(inputs)} inputs")
         for i, (output, input) in enumerate(zip(outputs, inputs)):
-            if output.numel() != input.numel() * self.world_size:
-                raise ValueError(f"all_gather_into_many output {i} has {output.numel()} "
-                                 f"elements, expected {self.world_size} x {input.numel()}")
+            self._check_world_sized(f"all_gather_into_many output {i}", output, input)
         self.check_devices("all_gather", label, *outputs, *inputs)
         failure = _Failure(self, "all_gather", outputs[0] if outputs else None, label,
                            count=len(outputs))
@@ -201,6 +195,12 @@ class Communicator:
             raise failure.error(exc) from exc
         self.ledger.record_many("all_gather", outputs, calls=launches.count, reach=self.reach)
         return _DescribedWork(launches, failure)
+
+    def _check_world_sized(self, what: str, whole: torch.Tensor, part: torch.Tensor) -> None:
+        """``whole`` must hold one ``part`` per rank of the group."""
+        if whole.numel() != part.numel() * self.world_size:
+            raise ValueError(f"{what} has {whole.numel()} elements, expected "
+                             f"{self.world_size} x {part.numel()}")
 
     def _gather_many(self, outputs: Sequence[torch.Tensor],
                      inputs: Sequence[torch.Tensor]) -> "_Launches":

@@ -34,6 +34,20 @@ class TinyNet(nn.Module):
         return F.mse_loss(self.out(h).float(), y.float())
 
 
+class LoraLinear(nn.Module):
+    """A linear layer with a trainable low-rank adapter beside it (LoRA): ``base`` is meant
+    to be frozen by the test, ``lora_a`` and ``lora_b`` train."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(n_in, n_out)
+        self.lora_a = nn.Parameter(torch.randn(rank, n_in) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(n_out, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
 def make_model(seed: int = 0) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet()

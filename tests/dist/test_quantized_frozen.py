@@ -14,26 +14,17 @@ from torch import nn
 
 from zerotrain.quantize import BlockQuantizer
 
+import reference as R
+
 IN, WIDTH, OUT, RANK, STEPS = 24, 96, 8, 4, 3
 Q = BlockQuantizer(bits=8, block=256, exact_scales=True)
-
-
-class LoraLinear(nn.Module):
-    def __init__(self, n_in: int, n_out: int) -> None:
-        super().__init__()
-        self.base = nn.Linear(n_in, n_out)
-        self.lora_a = nn.Parameter(torch.randn(RANK, n_in) * 0.1)
-        self.lora_b = nn.Parameter(torch.randn(n_out, RANK) * 0.1)
-
-    def forward(self, x):
-        return self.base(x) + F.linear(F.linear(x, self.lora_a), self.lora_b)
 
 
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.inp = LoraLinear(IN, WIDTH)
-        self.mid = LoraLinear(WIDTH, WIDTH)
+        self.inp = R.LoraLinear(IN, WIDTH, RANK)
+        self.mid = R.LoraLinear(WIDTH, WIDTH, RANK)
         self.norm = nn.LayerNorm(WIDTH)
         self.out = nn.Linear(WIDTH, OUT)   # trainable head
 

@@ -121,8 +121,14 @@ def _pool_rank(rank: int, world_size: int, store_path: str, tasks, results) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size)
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died: do not linger as an orphan
+                os._exit(1)
+            continue
         if task is None:
             break
         fn, args, kwargs, path = task

@@ -61,6 +61,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+# fp32: both runs compute forward and backward with the same CUDA kernels; only the
+# optimizer step differs (no offload: torch's CUDA fused AdamW; offload: the host AdamW),
+# and two AdamW kernels round m / (sqrt(v) + eps) differently (fused multiply-adds, the
+# order of the bias corrections): ~1e-7 relative per element per step. Four steps at lr
+# 1e-2 on weights of order 0.1-1 keep that under 1e-5; a wrong shard, a stale publish or a
+# missed step moves weights by ~lr = 1e-2. bf16: the parameters themselves round at 8 bits.
+FP32_OFFLOAD_TOL = 1e-5
+BF16_OFFLOAD_TOL = 1e-2
+
+
 def test_offload_on_cuda_matches_no_offload(tmp_path):
     script = tmp_path / "cuda_offload.py"
     script.write_text(SCRIPT.format(here=HERE, nvme=str(tmp_path)))
@@ -72,9 +82,9 @@ def test_offload_on_cuda_matches_no_offload(tmp_path):
     results = json.loads(line[len("RESULT "):])
     for case, diff in results.items():
         if case.startswith("fp32"):
-            assert diff <= 1e-6, (case, diff)
+            assert diff <= FP32_OFFLOAD_TOL, (case, diff)
         elif case.startswith("bf16"):
-            assert diff <= 1e-2, (case, diff)
+            assert diff <= BF16_OFFLOAD_TOL, (case, diff)
 
 
 DEVICE_SCRIPT = textwrap.dedent("""

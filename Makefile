@@ -38,10 +38,14 @@ WHEEL_PLATFORMS := manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_28_x86
 gpu-check:
 	$(CHECK_PY) bench/gpu_check.py
 
-gpu-wheels:
+gpu-wheels: install
 	rm -rf .whl && mkdir -p .whl
-	$(CHECK_PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp $(addprefix --platform ,$(WHEEL_PLATFORMS)) -d .whl \
-		$$($(CHECK_PY) -c 'import importlib.metadata as m, sys; \
+		$$($(PY) -c 'import importlib.metadata as m, sys; \
 		print(" ".join(n + "==" + m.version(n) for n in sys.argv[1:]))' $(GPU_WHEELS))
+	# the set is complete for python 3.12 there: pip resolves it from these files alone
+	$(PY) -m pip install -q --dry-run --no-index --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(addprefix --platform ,$(WHEEL_PLATFORMS)) \
+		--target .whl/.dry-run .whl/*.whl
 	ls .whl

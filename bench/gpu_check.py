@@ -47,8 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 STEPS = ("wheels", "env", "pytest", "stages", "offload", "breakdown", "deepspeed")
 # seconds per step on one H100 (each also bounded by what the budget has left)
-CAPS = {"wheels": 60, "env": 60, "pytest": 150, "stages": 45, "offload": 150,
-        "breakdown": 90, "deepspeed": 120}
+CAPS = {"wheels": 60, "env": 60, "pytest": 180, "stages": 45, "offload": 200,
+        "breakdown": 120, "deepspeed": 120}
 STAGE_CASES = ("plain", "stage0", "stage1", "stage2", "stage3")
 OFFLOAD_CASES = ("zt_z2_cpu", "zt_z3_cpu")
 GIB = 2 ** 30
@@ -364,7 +364,7 @@ class Check:
         argv = (["--size", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "2",
                  "--cases", "zt_z2_cpu"] if self.dry else
                 ["--size", "1.4b", "--warmup", "2", "--steps", "6",
-                 "--cases", "plain," + ",".join(OFFLOAD_CASES), "--timeout", "70"])
+                 "--cases", "plain," + ",".join(OFFLOAD_CASES), "--timeout", "90"])
         rc, timed_out, output = self.run(
             [self.python, os.path.join(HERE, "offload_gpu.py"), *argv, "--json-out", out], cap)
         try:

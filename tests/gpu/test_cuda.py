@@ -1,7 +1,9 @@
 """On a CUDA machine: the offload paths (pinned host state, device-to-host gradient staging,
 asynchronous host-to-device refresh, NVMe swapping) train like no offload, at stages 1-3;
 the device follows LOCAL_RANK whatever the group's backend string; copies run on their own
-streams; and the copy ledger counts 2 bytes per shard element each way at stage 2 bf16.
+streams; the copy ledger counts 2 bytes per shard element each way at stage 2 bf16; every
+stage trains on CUDA like the same stage on CPU (within a stated tolerance); zero.Init builds
+on the GPU; the CUDA-event step timers report.
 
 Skipped without CUDA (CI has none; tests/unit/test_devices.py and
 tests/dist/test_offload_copies.py check the same decisions and counts on CPU). One process,
@@ -259,3 +261,46 @@ def test_zero_init_on_cuda_trains_like_a_model_built_whole(tmp_path):
     assert res["init_partitioned"] and res["init_devices"] == ["cuda:0"], res
     assert res["diff"] <= 1e-6, res
     assert all(res["timers"].get(part, 0) > 0 for part in ("forward", "backward", "step")), res
+
+
+STAGES_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {here!r})
+    import zerotrain, reference as R
+    torch.backends.cuda.matmul.allow_tf32 = False   # fp32 matmuls in fp32 on both devices
+    torch.backends.cudnn.allow_tf32 = False
+
+    def run(stage, device):
+        config = R.engine_config(stage=stage, ga=2)
+        config["optimizer"] = {{"type": "SGD", "params": {{"lr": 0.1}}}}
+        model = R.make_model().to(device)
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        R.train_engine(engine, steps=4, rank=0, ga=2)
+        engine.eval()
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            out = {{n: p.detach().double().cpu() for n, p in model.named_parameters()}}
+        engine.close()
+        return out
+
+    print("RESULT " + json.dumps({{stage: R.max_diff(run(stage, "cuda"), run(stage, "cpu"))
+                                  for stage in range(4)}}))
+""")
+# CUDA and CPU kernels sum a matmul's products in different orders (~1e-7 relative per
+# element in fp32, TF32 off); SGD carries such differences linearly (Adam's m / sqrt(v)
+# could turn a near-zero gradient's rounding into a step of lr), so after 4 steps at lr 0.1
+# they stay far below 1e-5, while a wrong shard, a stale publish or a lost micro-batch moves
+# a weight by ~1e-2.
+STAGE_DEVICE_TOL = 1e-5
+
+
+def test_every_stage_on_cuda_trains_like_the_same_stage_on_cpu(tmp_path):
+    import json
+    script = tmp_path / "stages.py"
+    script.write_text(STAGES_SCRIPT.format(here=HERE))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(next(l for l in out.stdout.splitlines()
+                          if l.startswith("RESULT "))[len("RESULT "):])
+    assert sorted(res) == ["0", "1", "2", "3"], res
+    assert all(diff <= STAGE_DEVICE_TOL for diff in res.values()), res

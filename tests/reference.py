@@ -134,12 +134,18 @@ def engine_config(*, stage: int, ga: int = 1, clip: float = 0.0, lr: float = 1e-
 
 
 def train_engine(engine, *, steps: int, rank: int, ga: int, micro_size: int = 4) -> list[float]:
-    """Drive an engine the DeepSpeed way; returns the mean micro-batch loss per step."""
+    """Drive an engine the DeepSpeed way; returns the mean micro-batch loss per step. The
+    micro-batches go to the engine's device (the engine casts inputs, never moves them: a
+    model on cuda:0 fed host batches would fail)."""
+    device = getattr(engine, "device", None)
     losses = []
     for step in range(steps):
         total = 0.0
         for micro in range(ga):
-            loss = engine(*micro_batch(step, rank, micro, micro_size))
+            batch = micro_batch(step, rank, micro, micro_size)
+            if device is not None and device.type != "meta":
+                batch = tuple(t.to(device) for t in batch)
+            loss = engine(*batch)
             engine.backward(loss)
             engine.step()
             total += loss.item()

@@ -40,10 +40,15 @@ Note: communication dtype
 
 Note: releasing buckets
     At stage 2 a block's staging buffer is freed as soon as its reduction completes, with
-    or without ``overlap_comm`` (without it, the reduction runs synchronously from the
-    hook that completes the block); so backward holds at most the blocks still filling
-    plus ``MAX_IN_FLIGHT`` in flight, never the whole gradient. Stages 0 and 1 keep their
-    full accumulation buffer by design.
+    or without ``overlap_comm``; so backward holds at most the blocks still filling plus
+    those in flight, never the whole gradient. Stage 2's reductions are asynchronous
+    either way, launched from the hook that completes the block, so the backward of the
+    next blocks runs while they travel (a synchronous one would hold the compute stream
+    behind it on NCCL): ``MAX_IN_FLIGHT`` at a time with ``overlap_comm``, one without
+    (DeepSpeed's default, which holds one bucket: here one filling and one travelling).
+    Stages 0 and 1 keep their full accumulation buffer by design; with ``overlap_comm``
+    their boundary's reductions too are launched asynchronously from the hooks during
+    backward, without it they wait for the step (DeepSpeed's default: no overlap there).
 
 Note: bucket phases
     A :class:`GradientBuckets` is in one :class:`BucketPhase` at a time::
@@ -74,7 +79,8 @@ from .comm import Communicator
 from .errors import StateError
 from .flat import Block, FlatLayout
 
-# In-flight asynchronous reductions before the oldest is waited for (bounds staging memory).
+# In-flight asynchronous reductions before the oldest is waited for (bounds staging memory);
+# without overlap_comm, stage 2 keeps one in flight (Note: releasing buckets).
 MAX_IN_FLIGHT = 2
 
 
@@ -118,6 +124,7 @@ class GradientBuckets:
         self.comm_dtype = comm_dtype or accum_dtype
         self.device = device
         self.overlap = overlap
+        self.in_flight = MAX_IN_FLIGHT if overlap else 1
         self.order = [(g, b) for g, lay in enumerate(self.layouts) for b in lay.blocks][::-1]
         self._arrived = [[set() for _ in lay.blocks] for lay in self.layouts]
         self._launched = [[False] * len(lay.blocks) for lay in self.layouts]
@@ -271,7 +278,7 @@ class GradientBuckets:
                 on_done()
             return
         self._pending.append((work, on_done))
-        self._drain(MAX_IN_FLIGHT)
+        self._drain(self.in_flight)
 
     def _drain(self, keep: int) -> None:
         while len(self._pending) > keep:
@@ -405,8 +412,9 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         direct = fresh and target.dtype == staging.dtype
         out = target if direct else torch.empty(target.shape, dtype=staging.dtype,
                                                 device=target.device)
-        work = self.reduce_scatter(out, staging, async_op=self.overlap,
-                                        label=f"gradient bucket {g}.{block.index}")
+        # asynchronous whatever overlap_comm says (Note: releasing buckets)
+        work = self.reduce_scatter(out, staging, async_op=True,
+                                   label=f"gradient bucket {g}.{block.index}")
 
         def done() -> None:
             if not direct and fresh:

@@ -27,6 +27,16 @@ Note: forward, not __call__
     guards on shapes, dtypes and grad mode, not on which block runs it): after the first
     step nothing is compiled again unless a shape, dtype or mode changes.
 
+Note: no CUDA graphs at stage 3
+    CUDA graphs (``mode="reduce-overhead"``, ``mode="max-autotune"``, the ``cudagraphs``
+    backend, inductor's ``triton.cudagraphs`` option) replay kernels on the addresses they
+    were recorded with. Stage 3 frees each unit's full parameters after use and gathers
+    them again, into storage that can move, between the hooks and the graph: a replay
+    would read freed or stale memory with no error. So ``Compilation`` refuses them at
+    stage 3 with a ConfigError naming ``compile.mode`` (or the backend, or the option),
+    before any module is changed; stages 0-2 keep their parameters in place and may use
+    them.
+
 Note: failures
     A backend that does not exist is refused when ``compile`` is called, before any module
     is changed. A backend that fails on a block does so at that block's first forward:
@@ -52,6 +62,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["CompileSettings", "Compilation", "refuse_precompiled"]
 
 FALLBACKS = (None, "eager")
+# torch.compile modes that record CUDA graphs (Note: no CUDA graphs at stage 3)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,18 @@ class CompileSettings:
     mode: Optional[str] = None
     options: dict[str, Any] = field(default_factory=dict)
     fallback: Optional[str] = None
+
+    def cuda_graphs(self) -> Optional[tuple[str, Any]]:
+        """The setting that asks for CUDA graphs, as (config key, value), or None."""
+        for mode in (self.mode, self.options.get("mode")):   # a kwargs dict may carry it
+            if mode in CUDA_GRAPH_MODES:
+                return "compile.mode", mode
+        if self.backend_name == "cudagraphs":
+            return "compile.backend", self.backend_name
+        inductor = self.options.get("options") or {}
+        if isinstance(inductor, dict) and inductor.get("triton.cudagraphs"):
+            return "compile.options", {"triton.cudagraphs": inductor["triton.cudagraphs"]}
+        return None
 
     @property
     def backend_name(self) -> str:
@@ -104,15 +128,26 @@ class Compilation:
     """The compiled forwards of one engine: ``install`` them, ``undo`` to restore the
     eager ones."""
 
-    def __init__(self, targets: list[CompileTarget], settings: CompileSettings) -> None:
+    def __init__(self, targets: list[CompileTarget], settings: CompileSettings, *,
+                 stage: int = 0) -> None:
         """Compile every target's current forward (lazily: tracing happens at its first
         call); ``install`` puts them in place.
 
-        Raises ConfigError when the backend does not exist or torch refuses the arguments.
+        Raises ConfigError when the backend does not exist or torch refuses the arguments,
+        or when ``stage`` is 3 and the settings ask for CUDA graphs.
         """
         if settings.fallback not in FALLBACKS:
             raise ConfigError("compile.fallback", f"expected null or \"eager\", got "
                               f"{settings.fallback!r}", value=settings.fallback)
+        graphs = settings.cuda_graphs() if stage == 3 else None
+        if graphs is not None:
+            key, value = graphs
+            raise ConfigError(key, f"{value!r} records CUDA graphs, which replay on fixed "
+                              "addresses; stage 3 frees and re-gathers every unit's "
+                              "parameters each step, so a replay would read freed or stale "
+                              "memory (Note: no CUDA graphs at stage 3 in compile.py)",
+                              value=value, suggestion="use mode \"default\" or "
+                              "\"max-autotune-no-cudagraphs\", or stages 0-2")
         self.settings = settings
         self.failed_code: set[Any] = set()
         self.fallen_back: list[str] = []

@@ -199,7 +199,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         if previous is not None:
             previous.undo()
         try:
-            compilation = Compilation(self.stage.compile_targets(self.module), settings)
+            compilation = Compilation(self.stage.compile_targets(self.module), settings,
+                                      stage=self.zero_optimization_stage())
         except Exception:
             if previous is not None:   # a failed call leaves the engine as it was
                 previous.install()

@@ -51,7 +51,8 @@ def _grid(rank, world):
 def test_buckets_release_wire_dtype_and_stage3_defaults(worlds):
     for res in worlds.run(2, _grid):
         # blocks still filling (a parameter's gradient can straddle two), plus those in flight
-        assert res["no overlap"]["max_live"] <= 2 < res["no overlap"]["blocks"], res
+        # without overlap_comm one reduction travels while the next blocks fill
+        assert res["no overlap"]["max_live"] <= 2 + 1 < res["no overlap"]["blocks"], res
         assert res["overlap"]["max_live"] <= 2 + MAX_IN_FLIGHT < res["overlap"]["blocks"], res
         fp32, bf16 = res["bf16 fp32 wire"], res["bf16"]
         assert bf16["dtype"] == "torch.bfloat16" and fp32["dtype"] == "torch.float32"
@@ -74,3 +75,45 @@ def _prefetch_without_overlap(rank, world):
 def test_stage3_prefetch_does_not_depend_on_overlap_comm(worlds):
     for prefetch, overlap in worlds.run(2, _prefetch_without_overlap):
         assert prefetch == 100 and overlap is False
+
+
+def _launches(rank, world, stage, overlap):
+    """Each gradient reduction's launch: asynchronous or not, and whether autograd's
+    backward was still running (a post-accumulate-grad hook launched it)."""
+    import torch
+    import zerotrain
+    config = R.engine_config(stage=stage, ga=2, bucket=16, overlap=overlap)
+    engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
+    comm, launches = engine.comm, []
+    for op in ("all_reduce", "reduce_scatter"):
+        def spy(*args, _call=getattr(comm, op), **kwargs):
+            in_backward = torch._C._current_graph_task_id() != -1
+            launches.append((bool(kwargs.get("async_op")), in_backward))
+            return _call(*args, **kwargs)
+        setattr(comm, op, spy)
+    engine.stage.buckets.reduce_scatter = comm.reduce_scatter
+    R.train_engine(engine, steps=STEPS, rank=rank, ga=2)
+    blocks = sum(len(r.layout.blocks) for r in engine.stage.shard_records())
+    grads = [launch for launch in launches if launch != (False, False)]   # norms etc. aside
+    engine.close()
+    return {"blocks": blocks, "launches": launches, "grads": grads}
+
+
+def _overlap_grid(rank, world):
+    return {str((stage, overlap)): _launches(rank, world, stage, overlap)
+            for stage, overlap in ((0, True), (1, True), (2, False), (2, True), (1, False))}
+
+
+def test_reductions_travel_during_backward(worlds):
+    """Stage 2 reduce-scatters asynchronously from the hooks whatever overlap_comm says;
+    stages 0-1 do so at the boundary with overlap_comm (where DeepSpeed overlaps); stage 1
+    without it leaves them to the step (DeepSpeed's default), synchronously."""
+    for res in worlds.run(2, _overlap_grid):
+        for case in ("(0, True)", "(1, True)"):   # one boundary per step, every block
+            got = res[case]
+            assert got["grads"] == [(True, True)] * got["blocks"] * STEPS, (case, got)
+        for case in ("(2, False)", "(2, True)"):  # every micro-step, every block
+            got = res[case]
+            assert got["grads"] == [(True, True)] * got["blocks"] * STEPS * 2, (case, got)
+        deferred = res["(1, False)"]
+        assert deferred["grads"] == [] and len(deferred["launches"]) >= deferred["blocks"]

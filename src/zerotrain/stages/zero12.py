@@ -17,8 +17,8 @@ Note: one step
        one multiply (on the host when offloading: ``offload/gradients.py``) and steps the
        optimizer over the fp32 shards;
     3. the updated shards are cast to the parameter dtype (on the host when offloading, so
-       16 bits cross to the device) and all-gathered block by block straight into the
-       module's parameters (two pieces in flight at most).
+       16 bits cross to the device) and all-gathered piece by piece straight into the
+       module's parameters (two pieces in flight at most; Note: publishing in place).
 """
 from __future__ import annotations
 
@@ -61,7 +61,18 @@ class ShardedGroup:
 
 
 class ShardedDataParallel(BucketedStage):
-    """Stages 0-2 over a module whose parameters stay whole on every rank."""
+    """Stages 0-2 over a module whose parameters stay whole on every rank.
+
+    Note: publishing in place
+        On a device, the updated shards are all-gathered straight into the parameters:
+        a parameter's chunks, one per rank in rank order, are the parameter itself
+        (Note: interleaved blocks in ``flat.py``), so each parameter is one gather's
+        output and a piece's gathers go out as one launch. Only a parameter whose size
+        the world does not divide (its last chunk padded) goes through a buffer of its
+        own size and one copy. On the host, where each gather is a launch of its own,
+        a piece is gathered into one buffer and copied out instead
+        (``publish_in_place`` False).
+    """
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Parameter]]], *,
                  comm: Communicator, policy: PrecisionPolicy, plan: ShardPlan,
@@ -73,6 +84,7 @@ class ShardedDataParallel(BucketedStage):
         self.plan = plan
         self.storage = storage
         self.sharded = plan.shard_world > 1
+        self.publish_in_place = comm.device.type != "cpu"   # Note: publishing in place
         self.shard_rank = comm.rank if self.sharded else 0
         self.device = next((p.device for _, ps in groups for p in ps), torch.device("cpu"))
         # an empty group (all its parameters frozen) has no shard; its optimizer group
@@ -151,6 +163,9 @@ class ShardedDataParallel(BucketedStage):
             self._copy_out(group, block, matrix.view(1, block.chunk))
 
     def _gather_into_params(self, group: ShardedGroup, shard: torch.Tensor) -> None:
+        if self.publish_in_place:
+            self._gather_straight_into_params(group, shard)
+            return
         world = self.comm.world_size
         pieces = _gather_pieces(group.layout, self.plan.allgather_bucket_numel)
 
@@ -169,6 +184,40 @@ class ShardedDataParallel(BucketedStage):
             for block in piece:
                 offset = block.shard_offset - start
                 self._copy_out(group, block, matrix[:, offset: offset + block.chunk])
+
+    def _gather_straight_into_params(self, group: ShardedGroup, shard: torch.Tensor) -> None:
+        """Note: publishing in place. Each piece's gathers go out together (one launch on
+        NCCL), each parameter's chunks straight into the parameter; two pieces in flight."""
+        pieces = _gather_pieces(group.layout, self.plan.allgather_bucket_numel)
+
+        def launch(piece: list[Block]):
+            outputs, inputs, padded = [], [], []
+            for block in piece:
+                for index in block.slots:
+                    slot = group.layout.slots[index]
+                    if slot.chunk == 0:
+                        continue
+                    full = group.params[index].detach()
+                    part = shard[group.layout.shard_slice(slot)]
+                    if (slot.numel == self.comm.world_size * slot.chunk
+                            and full.is_contiguous() and full.dtype == part.dtype):
+                        outputs.append(full.view(-1))
+                    else:   # padded (or not a plain tensor): through a parameter-sized buffer
+                        outputs.append(torch.empty(self.comm.world_size * slot.chunk,
+                                                   dtype=part.dtype, device=part.device))
+                        padded.append((outputs[-1], full))
+                    inputs.append(part)
+            work = self.comm.all_gather_into_many(outputs, inputs,
+                                                  label=f"publish {piece[0].index}")
+            return work, padded
+
+        in_flight = launch(pieces[0]) if pieces else None
+        for k in range(len(pieces)):
+            work, padded = in_flight
+            in_flight = launch(pieces[k + 1]) if k + 1 < len(pieces) else None
+            work.wait()
+            for gathered, full in padded:
+                full.view(-1).copy_(gathered[: full.numel()])
 
     def _copy_out(self, group: ShardedGroup, block: Block, matrix: torch.Tensor) -> None:
         for index in block.slots:

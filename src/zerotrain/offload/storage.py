@@ -42,6 +42,7 @@ import torch
 from ..errors import ConfigError
 from ..log import ALL_RANKS
 from .plan import OffloadPlan
+from .traffic import nbytes
 from .transfers import Transfers
 
 OPTIMIZER_SECTION = "zero_optimization.offload_optimizer"
@@ -179,8 +180,9 @@ class HostStorage:
     def fill_from_master(self, out: torch.Tensor, master: torch.Tensor, *,
                          master_storage: Storage) -> None:
         """Host to host: parameters on the host need their masters on the host too
-        (offload/plan.py)."""
+        (offload/plan.py); the one 16-bit write per parameter (Note "host traffic")."""
         out.copy_(master)
+        self.transfers.host.record("param_fill", read=nbytes(master), written=nbytes(out))
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not self.pin or numel == 0:

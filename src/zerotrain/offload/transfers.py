@@ -18,10 +18,19 @@ Note: the copy ledger
     the host and the device moves, by direction (``to_device``, ``to_host``). It counts the
     copies the code issues where offloaded state crosses to or from the device, so on a
     CPU-only machine, where both sides are host memory, the counts are the ones a GPU run
-    makes. Offload moves 16-bit values both ways: gradients go down in the dtype they were
-    reduced in when that holds them exactly (2 bytes per element for bf16 gradients
-    reduced in bf16), and parameters go up cast to the parameter dtype on the host side of
-    the fp32 master.
+    makes. Offload moves fp32 both ways (Note "the host does only Adam"); the host-traffic
+    ledger (``traffic.py``) counts what the host's memory sees.
+
+Note: the host does only Adam
+    At the bound the host's cores and memory are the scarce side and the PCIe links and
+    the GPU have room, so the host touches each parameter only for the optimizer step.
+    Gradients are widened to fp32, averaged and unscaled on the device and come down in
+    fp32 (4 bytes per element instead of 2, in the copies that run during backward), so
+    Adam reads them as they land; masters go up in fp32 straight from their (pinned)
+    home and are cast to the parameter dtype on the device. Casting on the host would add
+    two passes over host memory per parameter (the widening, 2 bytes read and 4 written;
+    the cast into a pinned slot, 4 read and 2 written), 12 of the ~44 bytes per parameter
+    a step made the host move, on the cores that run Adam.
 """
 from __future__ import annotations
 
@@ -31,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import ContextManager, Optional
 
 import torch
+
+from .traffic import HostTraffic, nbytes
 
 TO_DEVICE, TO_HOST = "to_device", "to_host"
 
@@ -61,10 +72,12 @@ class Transfers:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.ledger = CopyLedger()
+        self.host = HostTraffic()     # Note "host traffic" in traffic.py
         self._streams: dict[str, "torch.cuda.Stream"] = {}
         self._slots: list[Optional[torch.Tensor]] = [None, None]   # pinned 16-bit uploads
         self._slot_events: list[Optional["torch.cuda.Event"]] = [None, None]
         self._next_slot = 0
+        self.last_upload: Optional["torch.cuda.Event"] = None
 
     def _stream(self, direction: str) -> "torch.cuda.Stream":
         if direction not in self._streams:
@@ -94,29 +107,46 @@ class Transfers:
     # ------------------------------------------------------------------ up
     def upload(self, master: torch.Tensor, dtype: torch.dtype,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``master`` (fp32, on the host) as ``dtype`` on the device, cast on the host.
+        """``master`` (fp32, on the host) as ``dtype`` on the device, cast on the device
+        (Note: the host does only Adam).
 
-        The cast goes into one of two pinned slots, so the next record's cast overlaps this
-        record's copy; the copy runs on the upload stream and the compute stream waits for
-        it. With ``out`` (a device tensor) the values land there; otherwise a new tensor is
-        returned. On a CPU device the slot itself (or ``out``) is the result.
+        A pinned master is copied straight from its home; a pageable one goes through one
+        of two pinned slots first (so that copy can be asynchronous), the next record's
+        staging overlapping this record's copy. The copy runs on the upload stream and the
+        compute stream waits for it. With ``out`` (a device tensor) the values land there;
+        otherwise a new tensor is returned.
         """
-        slot = self._slot(master.numel(), dtype)
-        slot.copy_(master)
-        self.ledger.record(TO_DEVICE, slot)
-        if not self.cuda:
-            return slot if out is None else out.copy_(slot)
+        self.ledger.record(TO_DEVICE, master)
+        self.host.record("upload", read=nbytes(master))
+        if not self.cuda:   # the "device" is host memory: the cast is the device's
+            return master.to(dtype) if out is None else out.copy_(master)
+        source = master
+        if not master.is_pinned():
+            source = self._slot(master.numel(), master.dtype)
+            source.copy_(master)
+            self.host.record("upload_staging", read=nbytes(master), written=nbytes(master))
         stream = self._stream(TO_DEVICE)
         with torch.cuda.stream(stream):
+            wide = torch.empty(master.shape, dtype=master.dtype, device=self.device)
+            wide.copy_(source, non_blocking=True)
             target = out if out is not None else torch.empty(
-                slot.shape, dtype=dtype, device=self.device)
-            target.copy_(slot, non_blocking=slot.is_pinned())
+                master.shape, dtype=dtype, device=self.device)
+            target.copy_(wide)
             done = torch.cuda.Event()
             done.record(stream)
-        self._slot_events[self._next_slot ^ 1] = done   # the slot just used
+        if source is not master:
+            self._slot_events[self._next_slot ^ 1] = done   # the slot just used
+        self.last_upload = done
         torch.cuda.current_stream(self.device).wait_event(done)
         target.record_stream(torch.cuda.current_stream(self.device))
         return target
+
+    def wait_uploads(self) -> None:
+        """Block until the last upload has read its host memory (before that memory is
+        handed to another record, as an NVMe swap slot is)."""
+        done, self.last_upload = self.last_upload, None
+        if done is not None:
+            done.synchronize()
 
     def _slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         index = self._next_slot

@@ -80,3 +80,45 @@ def test_speculative_host_step_is_bitwise_the_step_without_speculation(worlds, t
             assert spec["traffic"]["keep"]["read"] > 0, (where, spec["traffic"])
             assert spec["traffic"]["restore"]["written"] > 0, (where, spec["traffic"])
             assert "keep" not in plain["traffic"] and "restore" not in plain["traffic"], where
+
+
+def _traced_both(rank, world, directory):
+    return [_traced(rank, f"{directory}/host-step-{speculative}.json", speculative)
+            for speculative in (False, True)]
+
+
+def _traced(rank, path, speculative):
+    import json
+    import zerotrain
+    config = R.engine_config(stage=2, precision="bf16", overlap=True, bucket=16)
+    config["zero_optimization"]["offload_optimizer"] = {
+        "device": "cpu", "trace_path": path, "speculative": speculative}
+    engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
+    R.train_engine(engine, steps=2, rank=rank, ga=1)
+    records = len(engine.stage.shard_records())
+    engine.close()
+    with open(path if rank == 0 else f"{path}.rank{rank}") as f:
+        return json.load(f), records
+
+
+def test_trace_is_a_trace_event_file_and_records_step_in_arrival_order(worlds, tmp_path):
+    """The per-record timeline (offload/trace.py) is Chrome's trace-event JSON, and it shows
+    each record's Adam step in the order the gradients arrived (backward's order: the last
+    layers first), not in the layout order."""
+    runs = [run for rank in worlds.run(2, _traced_both, str(tmp_path)) for run in rank]
+    for trace, records in runs:   # without and with speculation, on both ranks
+        events = trace["traceEvents"]
+        assert isinstance(events, list) and events
+        for event in events:
+            assert {"name", "ph", "pid", "tid"} <= event.keys(), event
+            assert event["ph"] in ("X", "i", "M"), event
+            if event["ph"] != "M":
+                assert isinstance(event["ts"], float) and event["ts"] >= 0, event
+            if event["ph"] == "X":
+                assert event["dur"] >= 0, event
+        arrived = [e["args"]["record"] for e in events if e["name"] == "gradient ready"]
+        stepped = [e["args"]["record"] for e in sorted(events, key=lambda e: e.get("ts", 0))
+                   if e["name"] == "adam"]
+        uploaded = [e["args"]["record"] for e in events if e["name"] == "upload"]
+        assert records > 2 and sorted(arrived) == list(range(records)), (arrived, records)
+        assert stepped == arrived == uploaded != list(range(records)), (stepped, arrived)

@@ -18,6 +18,8 @@ Note: host traffic
     ``restore``         that copy written back when the speculation did not hold
     ``param_fill``      stage 3 with ``offload_param``: the parameter-dtype host shard cast
                         from its master (the one 16-bit write per parameter)
+    ``send_staging``    such a shard in pageable memory copied into a pinned slot before it
+                        goes up for its all-gather (``offload_param.pin_memory`` false)
 
     Nothing else touches host memory per step: the widening, averaging and unscaling of the
     gradient happen on the device before it comes down (``gradients.py``), and the cast to
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 PHASES = ("gradient_land", "adam", "upload", "upload_staging", "keep", "restore",
-          "param_fill")
+          "param_fill", "send_staging")
 
 
 def nbytes(tensor: torch.Tensor) -> int:

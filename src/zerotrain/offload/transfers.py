@@ -9,9 +9,17 @@ Note: copy streams
     reads the result waits on that event only: the compute stream through
     ``wait_event``, the host through ``Event.synchronize``. A device tensor made on a side
     stream and used elsewhere is marked with ``record_stream`` so the allocator does not
-    hand its memory out again before that use is done. A stage-3 all-gather of a host shard
-    is launched with the copy stream current, so NCCL waits for the copy rather than for
-    the compute stream.
+    hand its memory out again before that use is done.
+
+Note: staging a send
+    A stage-3 shard kept on the host goes up just before its all-gather, from a unit's
+    hook. It is copied on the host-to-device stream without waiting for the compute stream
+    (its device copy is allocated on that stream, so no memory the compute stream still
+    reads is reused); the compute stream then waits for the copy's event, and the gather
+    is launched as it would be without offload, in its own order. A shard in pageable
+    memory (``offload_param.pin_memory`` false) is first copied into one of two pinned
+    slots, so the transfer is still asynchronous: never a synchronous pageable copy inside
+    a hook (``send_staging`` in the host-traffic ledger).
 
 Note: the copy ledger
     :class:`CopyLedger` counts, beside the collective ledger, the bytes each copy between
@@ -74,16 +82,19 @@ class Transfers:
         self.ledger = CopyLedger()
         self.host = HostTraffic()     # Note "host traffic" in traffic.py
         self._streams: dict[str, "torch.cuda.Stream"] = {}
-        self._slots: list[Optional[torch.Tensor]] = [None, None]   # pinned 16-bit uploads
-        self._slot_events: list[Optional["torch.cuda.Event"]] = [None, None]
-        self._next_slot = 0
+        self.pin = self.cuda                      # staging slots are page-locked on a GPU
+        self._uploads = _PinnedRing(self)         # pageable masters on their way up
+        self._sends = _PinnedRing(self)           # pageable stage-3 shards on their way up
         self.last_upload: Optional["torch.cuda.Event"] = None
 
-    def _stream(self, direction: str) -> "torch.cuda.Stream":
+    def _stream(self, direction: str, *, after_compute: bool = True) -> "torch.cuda.Stream":
+        """The side stream for ``direction``; unless told otherwise it first waits for the
+        work queued on the compute stream (Note: copy streams)."""
         if direction not in self._streams:
             self._streams[direction] = torch.cuda.Stream(self.device)
         stream = self._streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after_compute:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         return stream
 
     # ------------------------------------------------------------------ down
@@ -122,7 +133,7 @@ class Transfers:
             return master.to(dtype) if out is None else out.copy_(master)
         source = master
         if not master.is_pinned():
-            source = self._slot(master.numel(), master.dtype)
+            source = self._uploads.take(master.numel(), master.dtype)
             source.copy_(master)
             self.host.record("upload_staging", read=nbytes(master), written=nbytes(master))
         stream = self._stream(TO_DEVICE)
@@ -135,7 +146,7 @@ class Transfers:
             done = torch.cuda.Event()
             done.record(stream)
         if source is not master:
-            self._slot_events[self._next_slot ^ 1] = done   # the slot just used
+            self._uploads.used(done)
         self.last_upload = done
         torch.cuda.current_stream(self.device).wait_event(done)
         target.record_stream(torch.cuda.current_stream(self.device))
@@ -148,35 +159,67 @@ class Transfers:
         if done is not None:
             done.synchronize()
 
-    def _slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        index = self._next_slot
-        self._next_slot ^= 1
-        event, self._slot_events[index] = self._slot_events[index], None
-        if event is not None:
-            event.synchronize()   # the copy that last read this slot has landed
-        slot = self._slots[index]
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if slot is None or slot.numel() < nbytes:
-            slot = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-            self._slots[index] = slot
-        return slot[:nbytes].view(dtype)
-
     def send(self, shard: torch.Tensor, device: torch.device
              ) -> tuple[torch.Tensor, ContextManager]:
         """A host shard (already in its dtype) on ``device``, for an all-gather: returns the
-        device tensor and the context to launch the collective in (Note: copy streams)."""
+        device tensor and the context to launch the collective in (Note: staging a send).
+        """
         self.ledger.record(TO_DEVICE, shard)
-        if torch.device(device).type != "cuda":
+        if not self.cuda:
             return shard, contextlib.nullcontext()
-        stream = self._stream(TO_DEVICE)
+        source = shard
+        if not shard.is_pinned():   # never a synchronous pageable copy inside a hook
+            source = self._sends.take(shard.numel(), shard.dtype)
+            source.copy_(shard)
+            self.host.record("send_staging", read=nbytes(shard), written=nbytes(shard))
+        stream = self._stream(TO_DEVICE, after_compute=False)
         with torch.cuda.stream(stream):
-            on_device = shard.to(device, non_blocking=shard.is_pinned())
-        return on_device, torch.cuda.stream(stream)
+            on_device = torch.empty(shard.shape, dtype=shard.dtype, device=self.device)
+            on_device.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        if source is not shard:
+            self._sends.used(done)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(done)
+        on_device.record_stream(compute)
+        return on_device, contextlib.nullcontext()
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far (before host memory they read is rewritten)."""
         for stream in self._streams.values():
             stream.synchronize()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self._uploads.tensors() + self._sends.tensors()
+
+
+class _PinnedRing:
+    """Two page-locked staging slots used in turn: the next copy's staging overlaps this
+    one's transfer, and a slot is rewritten only after the copy that read it has landed."""
+
+    def __init__(self, transfers: Transfers) -> None:
+        self._transfers = transfers
+        self._slots: list[Optional[torch.Tensor]] = [None, None]
+        self._events: list[Optional["torch.cuda.Event"]] = [None, None]
+        self._next = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        index = self._next
+        self._next ^= 1
+        event, self._events[index] = self._events[index], None
+        if event is not None:
+            event.synchronize()   # the copy that last read this slot has landed
+        slot = self._slots[index]
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if slot is None or slot.numel() < size:
+            slot = torch.empty(size, dtype=torch.uint8, pin_memory=self._transfers.pin)
+            self._slots[index] = slot
+        return slot[:size].view(dtype)
+
+    def used(self, event: "torch.cuda.Event") -> None:
+        """The copy just issued from the slot last taken lands at ``event``."""
+        self._events[self._next ^ 1] = event
 
     def tensors(self) -> list[torch.Tensor]:
         return [s for s in self._slots if s is not None]

@@ -192,3 +192,36 @@ def test_a_failed_nvme_step_leaves_every_tensor_home_and_the_next_step_works(tmp
     updater.step(masters, _g([torch.ones(6), torch.ones(4)]), publish=lambda k: None)
     assert all(m.untyped_storage().data_ptr() == h for m, h in zip(masters, homes))
     updater.close()
+
+
+def test_delayed_update_takes_gradients_per_record_once_the_running_update_is_past_it():
+    """dpu: the next backward's gradient of record k goes down as it arrives when the
+    running update has stepped k (its host buffer is free), else at the step; each
+    gradient goes down once, and the results are the plain delayed update's."""
+    import threading
+    gate = threading.Event()
+
+    class Gated(torch.optim.SGD):
+        def step(self, closure=None):
+            assert gate.wait(30)
+            return super().step(closure)
+
+    masters = [torch.zeros(4), torch.zeros(3)]
+    updater = HostUpdater(Gated(masters, lr=1.0), HostStorage(), delayed=True)
+    updater.attach(masters)
+    first = [torch.ones(4), torch.ones(3)]
+    second = [torch.full((4,), 2.0), torch.full((3,), 2.0)]
+    updater.step(masters, _g(first), publish=lambda k: None, order=[1, 0])
+    updater.stream(1, second[1], world=1)          # the update is still at record 1
+    assert not updater.gradients.fetched(1)
+    gate.set()
+    updater._pending.result()                       # stepped, not yet settled
+    updater.stream(1, second[1], world=1)           # now its buffer is free: down at once
+    assert updater.gradients.fetched(1)
+    assert updater.settle()
+    updater.step(masters, _g(second), publish=lambda k: None, order=[1, 0])
+    assert updater.settle()
+    assert torch.equal(masters[0], torch.full((4,), -3.0))
+    assert torch.equal(masters[1], torch.full((3,), -3.0))
+    assert updater.storage.transfers.ledger.nbytes["to_host"] == 2 * 4 * 7   # once each
+    updater.close()

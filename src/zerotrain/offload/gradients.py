@@ -104,6 +104,11 @@ class HostGradients:
         """Drop copies not consumed (a skipped step); the next window fetches afresh."""
         self._landed.clear()
 
+    def ready(self, k: int, world: int, coef: float) -> bool:
+        """Whether record k's copy is on its way, finished with ``world`` and ``coef``."""
+        landing = self._landed.get(k)
+        return landing is not None and landing.world == world and landing.coef == coef
+
     def forget_one(self, k: int) -> None:
         """Record k's copy was used already (a speculative step that stands)."""
         self._landed.pop(k, None)

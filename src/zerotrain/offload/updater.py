@@ -36,9 +36,13 @@ Note: delayed parameter update
     With ``offload_optimizer.dpu`` the step does not wait for the host: the gradients are
     copied to the host and the update runs on a worker thread while the next micro-batches
     run forward and backward on the parameters of the step before (the ZeRO-Offload
-    paper's one-step delay). ``settle`` joins it; the stage then publishes. The gradients
-    go down when the step starts rather than during backward, since the worker may still
-    be reading the host buffers while the next backward runs.
+    paper's one-step delay). ``settle`` joins it; the stage then publishes. The worker
+    runs on one core fewer than the host step (the main thread keeps launching the next
+    micro-batches' kernels) and with the training device set as its own. Gradients still
+    go down per record as they arrive in backward, into the host buffer the worker reads
+    for that record, once the running update has stepped that record (it steps in the
+    same arrival order, so it is usually done); a record it has not reached yet goes down
+    when the step starts.
 """
 from __future__ import annotations
 
@@ -143,6 +147,7 @@ class HostUpdater:
             initializer=_worker_setup, initargs=(storage.transfers.device,))
             if delayed or self.speculative else None)
         self._pending: Optional[Future] = None
+        self._consumed: set[int] = set()   # records the running delayed update has stepped
         self._masters: list[torch.Tensor] = []
         self._unscale = 1.0        # the factor speculation assumes (1 / loss scale)
         self._speculated: dict[int, Future] = {}
@@ -187,7 +192,9 @@ class HostUpdater:
         host now, during backward (Note "streaming gradients down" in gradients.py), and
         with ``speculative`` queue its step (Note in speculation.py). Not with the delayed
         update, whose worker may still be reading the host buffers."""
-        if self.delayed:
+        if self.delayed:   # into the buffer the running update has finished with, if so
+            if self._pending is None or k in self._consumed:
+                self.gradients.fetch(k, shard, world, self._unscale)
             return
         if k in self._speculated:   # a second boundary backward: start over
             self.retract()
@@ -235,10 +242,13 @@ class HostUpdater:
                 self._unscale = grads.unscale
                 self.timeline.write()
             return
-        for k in order:   # on the host before the next backward starts
-            self.gradients.fetch(k, grads.shards[k], grads.world, grads.coef)
+        self._unscale = grads.unscale
+        for k in order:   # on the host before the shards are freed; most came during backward
+            if not self.gradients.ready(k, grads.world, grads.coef):
+                self.gradients.fetch(k, grads.shards[k], grads.world, grads.coef)
         if any(g.device.type == "cuda" for g in grads.shards):
             self.storage.transfers.synchronize()
+        self._consumed = set()
         self._pending = self._worker.submit(self._run, list(masters), grads, None, order)
 
     def settle(self) -> bool:
@@ -324,6 +334,8 @@ class HostUpdater:
                 with self._timed("offload_nvme_read_wait"):
                     self.storage.swap_in(k)
                 self._adam(k, masters[k], grad)
+                if self.delayed:
+                    self._consumed.add(k)   # its host buffer may take the next gradient
             else:
                 self.gradients.forget_one(k)
             if publish is not None:

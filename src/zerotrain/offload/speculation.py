@@ -82,6 +82,12 @@ class KeptStates:
         return (kept.valid and kept.coef == coef and kept.world == world
                 and _same(kept.hyper, hyperparameters(group)))
 
+    def reserve(self, k: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Allocate record k's kept copies up front (NVMe: the space is reserved at
+        ``initialize``, never discovered mid-step)."""
+        for key, value in tensors.items():
+            self._buffers[(k, key)] = self._allocate(value.numel(), value.dtype)
+
     def _copy(self, k: int, key: str, value: torch.Tensor) -> torch.Tensor:
         if value.dim() == 0 or value.numel() < 2:
             return value.detach().clone()

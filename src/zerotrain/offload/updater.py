@@ -176,7 +176,7 @@ class HostUpdater:
                                   f"{' with amsgrad' if group.get('amsgrad') else ''} "
                                   'is not supported there; use device "cpu"', value="nvme")
         numel = 0
-        for master in masters:
+        for k, master in enumerate(masters):
             state = self.optimizer.state[master]
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
             # held here too: the files stay reserved whatever replaces the state's entries
@@ -184,6 +184,8 @@ class HostUpdater:
                                        for key in _ADAM_STATE}
             state.update(self._homes[id(master)])
             numel = max(numel, master.numel() * (1 + len(_ADAM_STATE)))
+            if self.speculative:   # the files for the kept state are reserved now too
+                self.kept.reserve(k, {"master": master, **self._homes[id(master)]})
         self.storage.reserve_slots(numel)
 
     # ------------------------------------------------------------------ stepping
@@ -256,8 +258,9 @@ class HostUpdater:
         if self._pending is None:
             return False
         pending, self._pending = self._pending, None
-        with self._timed("offload_delayed_wait"):
+        with self._timed("offload_delayed_wait"), self.timeline.span("delayed wait"):
             pending.result()
+        self.timeline.write()
         return True
 
     def take_timings(self) -> dict[str, float]:

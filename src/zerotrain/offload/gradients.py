@@ -19,8 +19,10 @@ Note: streaming gradients down
     the step's factor differs (clipping applies, the loss scale changed), it finishes and
     copies record k again from the shard, which stays on the device until the step ends.
     Records not fetched early (stage 1 without ``overlap_comm``, whose reductions wait for
-    the step; the delayed update, whose worker may still read the buffers then) are
-    fetched when the step starts. The buffers hold 4 bytes per element of the shard.
+    the step; with the delayed update, records the running update had not reached) and
+    records fetched for a step that then clipped are fetched during the step, one record
+    ahead of the one being stepped, so the device holds at most two finished fp32 copies at
+    a time. The host buffers hold 4 bytes per element of the shard.
 """
 from __future__ import annotations
 

@@ -322,16 +322,15 @@ class HostUpdater:
         todo = [k for k in order if k not in done]
         if todo:
             self._prefetch(masters, todo[0])
-        for k in todo:   # whatever was not streamed during backward goes down now
-            if not self.gradients.fetched(k):
-                self.gradients.fetch(k, grads.shards[k], grads.world, grads.coef)
+            self._fetch_ready(todo[0], grads)
         ahead = iter(todo[1:])
         for k in order:
             stepped = k not in done
             if stepped:
                 following = next(ahead, None)
-                if following is not None:
-                    self._prefetch(masters, following)
+                if following is not None:   # its state read and its gradient copied
+                    self._prefetch(masters, following)   # while record k steps
+                    self._fetch_ready(following, grads)
                 with self._timed("offload_gradient_wait"), self.timeline.span("gradient wait", k):
                     grad = self.gradients.take(k, grads)
                 with self._timed("offload_nvme_read_wait"):
@@ -350,6 +349,14 @@ class HostUpdater:
                 self.storage.swap_out(k)
         with self._timed("offload_nvme_write_wait"):
             self.storage.drain()
+
+    def _fetch_ready(self, k: int, grads: Gradients) -> None:
+        """Start record k's copy down unless one finished as ``grads`` finishes it is on its
+        way: a record not streamed during backward, or streamed for a step that then
+        clipped. One record ahead only, so the device holds at most two finished fp32
+        copies at a time."""
+        if not self.gradients.ready(k, grads.world, grads.coef):
+            self.gradients.fetch(k, grads.shards[k], grads.world, grads.coef)
 
     def _adam(self, k: int, master: torch.Tensor, grad: torch.Tensor) -> None:
         """Record k's optimizer step over ``grad`` (fp32, on the host), counted."""

@@ -79,3 +79,11 @@ class NoTimeline:
 
     def write(self) -> None:
         pass
+
+
+def rank_path(path: str, rank: int) -> str:
+    """One file per rank: ``{rank}`` in the path is filled in, else rank r > 0 appends
+    ``.rank<r>``."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    return path if rank == 0 else f"{path}.rank{rank}"

@@ -56,56 +56,14 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
+from .device import DeviceUpdater
 from .gradients import Gradients, HostGradients
 from .speculation import KeptStates
 from .storage import HostStorage, Storage
 from .threads import available_cores, host_step_threads, step_alone, threads
-from .trace import NoTimeline, Timeline
+from .trace import NoTimeline, Timeline, rank_path
 
 _ADAM_STATE = ("exp_avg", "exp_avg_sq")
-
-
-class DeviceUpdater:
-    """No offload: one optimizer step over every record on the device, then publish."""
-
-    delayed = False
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def attach(self, masters: Sequence[torch.Tensor]) -> None:
-        pass
-
-    def step(self, masters: Sequence[torch.Tensor], grads: Gradients,
-             publish: Callable[[int], None], order: Optional[Sequence[int]] = None) -> None:
-        for k, master in enumerate(masters):
-            master.grad = grads.on_device(k)
-        self.optimizer.step()   # one call: fused and foreach kernels see every shard
-        for master in masters:
-            master.grad = None
-        for k in range(len(masters)):
-            publish(k)
-
-    def settle(self) -> bool:
-        return False
-
-    def stream(self, k: int, shard: torch.Tensor, world: int) -> None:
-        """Nothing leaves the device."""
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        return []
-
-    def forget(self) -> None:
-        pass
-
-    def retract(self) -> None:
-        pass
-
-    def take_timings(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass
 
 
 def build_updater(optimizer: torch.optim.Optimizer, storage: Storage, *,
@@ -116,17 +74,9 @@ def build_updater(optimizer: torch.optim.Optimizer, storage: Storage, *,
     optimizer exists)."""
     if not storage.steps_on_host():
         return DeviceUpdater(optimizer)
-    timeline = Timeline(_rank_path(trace_path, rank), rank) if trace_path else None
+    timeline = Timeline(rank_path(trace_path, rank), rank) if trace_path else None
     return HostUpdater(optimizer, storage, delayed=delayed, speculative=speculative,
                        timeline=timeline)
-
-
-def _rank_path(path: str, rank: int) -> str:
-    """One file per rank: ``{rank}`` in the path is filled in, else rank r > 0 appends
-    ``.rank<r>``."""
-    if "{rank}" in path:
-        return path.replace("{rank}", str(rank))
-    return path if rank == 0 else f"{path}.rank{rank}"
 
 
 class HostUpdater:

@@ -29,11 +29,28 @@ def _zero(**zero):
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
      "offload_optimizer.ratio"),
     ({"stage": 2, "offload_optimizer": {"dpu": True}}, "offload_optimizer.dpu"),
+    ({"stage": 2, "offload_optimizer": {"speculative": True}}, "offload_optimizer.speculative"),
+    ({"stage": 2, "offload_optimizer": {"trace_path": "/tmp/t.json"}},
+     "offload_optimizer.trace_path"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "dpu": True, "speculative": True}},
+     "offload_optimizer.speculative"),
 ])
 def test_plan_rejects_what_cannot_run_naming_the_key(zero, key):
     with pytest.raises(ConfigError) as err:
         OffloadPlan.from_config(_zero(**zero))
     assert err.value.path == f"zero_optimization.{key}"
+
+
+def test_offloaded_records_are_capped_for_overlap_at_stages_1_2():
+    """With the optimizer on the host, a stage 1-2 record (one bucket) holds at most
+    OFFLOAD_RECORD_NUMEL elements, so DeepSpeed's default 5e8 buckets do not leave a 1.42B
+    model with three records (docs/offload.md, "record size"); without offload the bucket
+    size is the user's."""
+    from zerotrain.offload.plan import OFFLOAD_RECORD_NUMEL
+    offloaded = OffloadPlan.from_config(_zero(stage=2, offload_optimizer={"device": "cpu"}))
+    assert offloaded.record_numel(500_000_000) == OFFLOAD_RECORD_NUMEL == 50_000_000
+    assert offloaded.record_numel(1000) == 1000
+    assert OffloadPlan.from_config(_zero(stage=2)).record_numel(500_000_000) == 500_000_000
 
 
 def test_plan_reads_devices_and_delay():

@@ -50,7 +50,8 @@ def build_stage(stage: int, *, module: nn.Module,
     make_updater = functools.partial(build_updater, storage=storage,
                                      delayed=offload.delayed_update,
                                      speculative=offload.speculative,
-                                     trace_path=offload.trace_path, rank=comm.rank)
+                                     trace_path=offload.trace_path, rank=comm.rank,
+                                     ratio=offload.ratio)
     if stage == 3:
         return PartitionedDataParallel(module, [params for _, params in groups], comm=comm,
                                        policy=policy, zero_config=zero_config,

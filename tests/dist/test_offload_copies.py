@@ -100,3 +100,43 @@ def test_gradients_stream_down_during_backward(worlds, stage):
     for after_backward, after_step, shard in worlds.run(2, _one_step, stage):
         assert after_backward.get("to_host") == 4 * shard
         assert after_step["to_host"] == 4 * shard
+
+
+def _partial(rank, world, stage, ratio):
+    import zerotrain
+    config = R.engine_config(stage=stage, precision="bf16", overlap=True, bucket=16, clip=0.5)
+    config["optimizer"]["params"]["fused"] = True
+    zero = config["zero_optimization"]
+    if ratio is not None:
+        zero["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    R.train_engine(engine, steps=STEPS, rank=rank, ga=1)
+    records = [r.master.numel() for r in engine.stage.shard_records()]
+    out = {"host": engine.host_traffic.snapshot(), "records": records,
+           "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+    engine.close()
+    return out
+
+
+def _partial_grid(rank, world):
+    return {(stage, ratio): _partial(rank, world, stage, ratio)
+            for stage in (1, 2) for ratio in (None, 0.5)}
+
+
+def test_partial_offload_keeps_the_first_records_on_the_device_exactly(worlds):
+    """offload_optimizer.ratio 0.5: the first half of the records are stepped on the device
+    (the host never sees them), the rest on the host, and the weights are bit for bit those
+    of the run without offload."""
+    for results in worlds.run(2, _partial_grid):
+        for stage in (1, 2):
+            got, plain = results[(stage, 0.5)], results[(stage, None)]
+            records = got["records"]
+            kept = int(0.5 * len(records))
+            offloaded = sum(records[kept:])
+            assert kept >= 1 and offloaded > 0, records
+            assert got["host"]["adam"] == {"read": 16 * offloaded * STEPS,
+                                           "written": 12 * offloaded * STEPS}, got["host"]
+            assert got["host"]["upload"] == {"read": 4 * offloaded * STEPS, "written": 0}
+            for name, value in plain["weights"].items():
+                assert torch.equal(got["weights"][name], value), (stage, name)

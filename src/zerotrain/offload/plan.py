@@ -22,6 +22,8 @@ class OffloadPlan:
     speculative: step each record on the host as its gradient lands during backward,
     validated after it (``offload/speculation.py``).
     trace_path: where to write the host step's per-record timeline (``offload/trace.py``).
+    ratio: the fraction of the records offloaded (DeepSpeed's key): the first ``1 - ratio``
+    of them keep their state on the device and are stepped there.
     """
 
     optimizer: str = "none"
@@ -34,6 +36,7 @@ class OffloadPlan:
     delayed_update: bool = False
     speculative: bool = False
     trace_path: Optional[str] = None
+    ratio: float = 1.0
 
     def record_numel(self, bucket_numel: int) -> int:
         """The gradient bucket size, in elements, at stages 1-2: the record the host steps
@@ -72,11 +75,16 @@ class OffloadPlan:
                                   "offload_optimizer (the fp32 state would otherwise stay on "
                                   "the device, 12 bytes per parameter against 2 saved)",
                                   value=par_device)
-        for name, section in (("offload_optimizer", opt), ("offload_param", par)):
-            if section is not None and section.device != "none" and section.ratio != 1.0:
-                raise ConfigError(f"zero_optimization.{name}.ratio", "partial offload is not "
-                                  "supported; use 1.0 (all) or device \"none\"",
-                                  value=section.ratio)
+        if par is not None and par.device != "none" and par.ratio != 1.0:
+            raise ConfigError("zero_optimization.offload_param.ratio", "partial parameter "
+                              'offload is not supported; use 1.0 (all) or device "none"',
+                              value=par.ratio)
+        ratio = opt.ratio if opt is not None and opt_device != "none" else 1.0
+        if ratio != 1.0 and (opt_device != "cpu" or zero.stage == 3 or (opt and opt.dpu)):
+            raise ConfigError(f"{key}.ratio", "partial optimizer offload (the first "
+                              "1 - ratio of the records stepped on the device) is supported "
+                              'with device "cpu" at stages 1-2, without dpu; use 1.0 here',
+                              value=ratio)
         dpu = bool(opt is not None and opt.dpu)
         if dpu and opt_device == "none":
             raise ConfigError(f"{key}.dpu", "the delayed parameter update overlaps the host "
@@ -99,4 +107,5 @@ class OffloadPlan:
                    param_nvme_path=par.nvme_path if par is not None else None,
                    param_pin_memory=bool(par is not None and par.pin_memory),
                    buffer_count=max(2, min(SWAP_SLOTS, opt.buffer_count)) if opt else SWAP_SLOTS,
-                   delayed_update=dpu, speculative=speculative, trace_path=trace_path)
+                   delayed_update=dpu, speculative=speculative, trace_path=trace_path,
+                   ratio=ratio)

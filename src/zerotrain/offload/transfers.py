@@ -86,6 +86,7 @@ class Transfers:
         self._uploads = _PinnedRing(self)         # pageable masters on their way up
         self._sends = _PinnedRing(self)           # pageable stage-3 shards on their way up
         self.last_upload: Optional["torch.cuda.Event"] = None
+        self.resident: set[int] = set()   # ids of masters kept on the device (ratio < 1)
 
     def _stream(self, direction: str, *, after_compute: bool = True) -> "torch.cuda.Stream":
         """The side stream for ``direction``; unless told otherwise it first waits for the
@@ -127,6 +128,8 @@ class Transfers:
         compute stream waits for it. With ``out`` (a device tensor) the values land there;
         otherwise a new tensor is returned.
         """
+        if id(master) in self.resident:   # Note "partial offload" in updater.py
+            return master.to(dtype) if out is None else out.copy_(master)
         self.ledger.record(TO_DEVICE, master)
         self.host.record("upload", read=nbytes(master))
         if not self.cuda:   # the "device" is host memory: the cast is the device's

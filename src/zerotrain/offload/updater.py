@@ -32,6 +32,15 @@ Note: where the time goes
     ``wall_clock_breakdown`` the engine logs them next to forward/backward/step, so a slow
     offloaded step shows which part is slow.
 
+Note: partial offload
+    With ``offload_optimizer.ratio`` below 1 (DeepSpeed's Twin-Flow key: the fraction
+    offloaded) the first ``1 - ratio`` of the records, in layout order as DeepSpeed splits
+    its sub-groups, move their fp32 masters to the device at ``attach``; their optimizer
+    state is created there, their gradients never leave the device, and at the step they
+    are stepped there with the device update's arithmetic (``Gradients.on_device``, the
+    same kernel over the record alone) and published by a cast where they are. The host
+    steps the rest as usual, so the host's share of the step shrinks by the ratio kept.
+
 Note: delayed parameter update
     With ``offload_optimizer.dpu`` the step does not wait for the host: the gradients are
     copied to the host and the update runs on a worker thread while the next micro-batches
@@ -68,7 +77,7 @@ _ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
 def build_updater(optimizer: torch.optim.Optimizer, storage: Storage, *,
                   delayed: bool = False, speculative: bool = False,
-                  trace_path: Optional[str] = None, rank: int = 0
+                  trace_path: Optional[str] = None, rank: int = 0, ratio: float = 1.0
                   ) -> "DeviceUpdater | HostUpdater":
     """The updater for where ``storage`` keeps the masters (the stage calls it once its
     optimizer exists)."""
@@ -76,7 +85,7 @@ def build_updater(optimizer: torch.optim.Optimizer, storage: Storage, *,
         return DeviceUpdater(optimizer)
     timeline = Timeline(rank_path(trace_path, rank), rank) if trace_path else None
     return HostUpdater(optimizer, storage, delayed=delayed, speculative=speculative,
-                       timeline=timeline)
+                       timeline=timeline, ratio=ratio)
 
 
 class HostUpdater:
@@ -84,8 +93,10 @@ class HostUpdater:
 
     def __init__(self, optimizer: torch.optim.Optimizer, storage: HostStorage, *,
                  delayed: bool = False, speculative: bool = False,
-                 timeline: Optional[Timeline] = None) -> None:
+                 timeline: Optional[Timeline] = None, ratio: float = 1.0) -> None:
         self.optimizer = optimizer
+        self.ratio = ratio
+        self._on_device: set[int] = set()   # records kept and stepped on the device
         self.storage = storage
         self.delayed = delayed
         self.speculative = speculative and not delayed
@@ -116,6 +127,7 @@ class HostUpdater:
         """Give each master its optimizer state up front, allocated by the storage (NVMe
         needs the state in its files; the optimizer then finds it and does not allocate)."""
         self._masters = list(masters)
+        self._keep_on_device(masters)
         if not self.storage.swaps:
             return
         for group in self.optimizer.param_groups:
@@ -138,12 +150,27 @@ class HostUpdater:
                 self.kept.reserve(k, {"master": master, **self._homes[id(master)]})
         self.storage.reserve_slots(numel)
 
+    def _keep_on_device(self, masters: Sequence[torch.Tensor]) -> None:
+        """``offload_optimizer.ratio``: the first ``1 - ratio`` of the records (DeepSpeed's
+        split of its sub-groups) move their masters to the device, where their state is
+        then created and stepped; they never cross (Note "partial offload")."""
+        keep = int((1 - self.ratio) * len(masters))
+        transfers = self.storage.transfers
+        for k in range(keep):
+            master = masters[k]
+            if transfers.cuda:
+                master.data = master.data.to(transfers.device)
+            transfers.resident.add(id(master))
+            self._on_device.add(k)
+
     # ------------------------------------------------------------------ stepping
     def stream(self, k: int, shard: torch.Tensor, world: int) -> None:
         """Record k's gradient is final: finish it on the device and start its copy to the
         host now, during backward (Note "streaming gradients down" in gradients.py), and
         with ``speculative`` queue its step (Note in speculation.py). Not with the delayed
         update, whose worker may still be reading the host buffers."""
+        if k in self._on_device:
+            return
         if self.delayed:   # into the buffer the running update has finished with, if so
             if self._pending is None or k in self._consumed:
                 self.gradients.fetch(k, shard, world, self._unscale)
@@ -269,13 +296,16 @@ class HostUpdater:
     def _run_records(self, masters: Sequence[torch.Tensor], grads: Gradients,
                      publish: Optional[Callable[[int], None]], order: Sequence[int],
                      done: set[int]) -> None:
-        todo = [k for k in order if k not in done]
+        todo = [k for k in order if k not in done and k not in self._on_device]
         if todo:
             self._prefetch(masters, todo[0])
             self._fetch_ready(todo[0], grads)
         ahead = iter(todo[1:])
         for k in order:
             stepped = k not in done
+            if k in self._on_device:
+                self._step_on_device(k, masters[k], grads, publish)
+                continue
             if stepped:
                 following = next(ahead, None)
                 if following is not None:   # its state read and its gradient copied
@@ -299,6 +329,15 @@ class HostUpdater:
                 self.storage.swap_out(k)
         with self._timed("offload_nvme_write_wait"):
             self.storage.drain()
+
+    def _step_on_device(self, k: int, master: torch.Tensor, grads: Gradients,
+                        publish: Optional[Callable[[int], None]]) -> None:
+        """A record kept on the device (``ratio``): the device update's arithmetic, alone."""
+        master.grad = grads.on_device(k).view(master.shape)
+        step_alone(self.optimizer, self._group_index(master), master)
+        master.grad = None
+        if publish is not None:
+            publish(k)
 
     def _fetch_ready(self, k: int, grads: Gradients) -> None:
         """Start record k's copy down unless one finished as ``grads`` finishes it is on its

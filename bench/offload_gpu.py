@@ -38,7 +38,9 @@ with an untied head):
   {device: nvme, nvme_path: ...}``.
 
 ``--dpu`` adds ``"dpu": true`` (the one-step delayed parameter update) to every zerotrain
-case's ``offload_optimizer``. Warnings from ``zerotrain.initialize`` that mention offload go
+case's ``offload_optimizer``; ``--speculative`` adds ``"speculative": true`` (the host step
+taken during backward, validated after it) and ``--trace DIR`` writes each zerotrain case's
+per-record host-step timeline to ``DIR/<case>.json`` (a Chrome trace, docs/offload.md). Warnings from ``zerotrain.initialize`` that mention offload go
 to the table's notes column: a config that silently trains without offload must not pass
 for one that offloads.
 """
@@ -108,6 +110,10 @@ def zerotrain_config(case: str, args) -> dict:
         offload_optimizer = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
     if args.dpu:
         offload_optimizer["dpu"] = True
+    if args.speculative:
+        offload_optimizer["speculative"] = True
+    if args.trace:
+        offload_optimizer["trace_path"] = os.path.join(args.trace, f"{case}.json")
     zero = {"stage": 3 if case == "zt_z3_cpu" else 2, "overlap_comm": True,
             "offload_optimizer": offload_optimizer}
     if case == "zt_z3_cpu":
@@ -321,7 +327,7 @@ def model_line(args) -> str:
             f"head), bf16, micro-batch {args.batch} x {args.seq}; {args.warmup} warm-up + "
             f"{args.steps} timed steps (median); zerotrain gradients accumulate in "
             f"{args.grad_accum}{'; blocks recomputed in backward' if args.recompute else ''}"
-            f"{'; --dpu' if args.dpu else ''}")
+            f"{'; --dpu' if args.dpu else ''}{'; --speculative' if args.speculative else ''}")
 
 
 def fmt(value, spec: str) -> str:
@@ -366,6 +372,10 @@ def parse_args(argv=None):
     parser.add_argument("--nvme-path", help="directory on an NVMe drive; adds zt_z2_nvme")
     parser.add_argument("--dpu", action="store_true",
                         help='add "dpu": true to offload_optimizer in zerotrain cases')
+    parser.add_argument("--speculative", action="store_true",
+                        help='add "speculative": true to offload_optimizer in zerotrain cases')
+    parser.add_argument("--trace", metavar="DIR",
+                        help="write each zerotrain case's host-step timeline to DIR/<case>.json")
     parser.add_argument("--grad-accum", choices=("fp32", "bf16"),
                         help="zerotrain's data_types.grad_accum_dtype (default: the size's)")
     parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,

@@ -93,6 +93,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, reach_totals(comm.ledger))
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
+        self.host_traffic = stage.host_traffic    # host memory bytes, by phase of the step
         self._compilation: Optional[Compilation] = None
         if not self.inference_only or config.zero_optimization.stage == 3:
             claim(stage, module)   # Note: one open engine per model
@@ -231,7 +232,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
                              "window's gradients were not reduced over ranks, so the update "
                              "would use this rank's alone; run the window's last backward "
                              "outside no_sync, then step")
-        self.settle()
+        self.settle(before_step=True)
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
         self._last_outcome = outcome
@@ -251,12 +252,13 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         if error is not None:
             raise error
 
-    def settle(self) -> None:
+    def settle(self, *, before_step: bool = False) -> None:
         """With ``offload_optimizer.dpu``, wait for the update running on the host, publish
         it to the module and advance the LR scheduler; a no-op otherwise. Collective:
         checkpoints, ``save_16bit_model`` and ``eval()`` call it, so they see the newest
-        parameters."""
-        self.stage.settle()
+        parameters (and, with ``offload_optimizer.speculative``, no host step taken ahead
+        of ``step()``)."""
+        self.stage.settle(before_step=before_step)
         if self._lr_step_due is not None:
             due, self._lr_step_due = self._lr_step_due, None
             self._lr_watch.step(self.lr_scheduler, **due)

@@ -34,8 +34,8 @@ class EngineReports:
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held on this rank: parameters, gradients, optimizer_state, buffers; with
         offload also host_optimizer_state or nvme_optimizer_state (file-backed),
-        host_parameters (stage-3 shards kept on the host) and host_gradients (the gradient
-        shard in its wire dtype and the upload slots of the host step); with
+        host_parameters (stage-3 shards kept on the host) and host_gradients (the fp32
+        gradient shard, the upload slots and, when speculative, the kept state); with
         ``zero_hpz_partition_size`` also hpz_parameters (hpZ's secondary copy, Ψ/H
         parameter-dtype elements; docs/multinode.md). Stage 3 adds two
         figures that are not held now: gathered_after_forward, the bytes of gathered

@@ -48,7 +48,10 @@ def build_stage(stage: int, *, module: nn.Module,
     storage = build_storage(offload, comm.rank, device, transfers)
     optimizer_here = functools.partial(make_optimizer, host_step=storage.steps_on_host())
     make_updater = functools.partial(build_updater, storage=storage,
-                                     delayed=offload.delayed_update)
+                                     delayed=offload.delayed_update,
+                                     speculative=offload.speculative,
+                                     trace_path=offload.trace_path, rank=comm.rank,
+                                     ratio=offload.ratio)
     if stage == 3:
         return PartitionedDataParallel(module, [params for _, params in groups], comm=comm,
                                        policy=policy, zero_config=zero_config,
@@ -58,7 +61,7 @@ def build_stage(stage: int, *, module: nn.Module,
                                        make_updater=make_updater)
     plan = ShardPlan(
         shard_world=1 if stage == 0 else comm.world_size,
-        reduce_bucket_numel=int(zero_config.reduce_bucket_size),
+        reduce_bucket_numel=offload.record_numel(int(zero_config.reduce_bucket_size)),
         allgather_bucket_numel=int(zero_config.allgather_bucket_size),
         overlap_comm=bool(zero_config.overlap_comm),
         buckets=_GRAD_REDUCTION[stage],

@@ -26,14 +26,37 @@ def _zero(**zero):
     ({"stage": 2, "offload_param": {"device": "cpu"},
       "offload_optimizer": {"device": "cpu"}}, "offload_param.device"),
     ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param.device"),
-    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
      "offload_optimizer.ratio"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5}},
+     "offload_optimizer.ratio"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5, "dpu": True}},
+     "offload_optimizer.ratio"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"},
+      "offload_param": {"device": "cpu", "ratio": 0.5}}, "offload_param.ratio"),
     ({"stage": 2, "offload_optimizer": {"dpu": True}}, "offload_optimizer.dpu"),
+    ({"stage": 2, "offload_optimizer": {"speculative": True}}, "offload_optimizer.speculative"),
+    ({"stage": 2, "offload_optimizer": {"trace_path": "/tmp/t.json"}},
+     "offload_optimizer.trace_path"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "dpu": True, "speculative": True}},
+     "offload_optimizer.speculative"),
 ])
 def test_plan_rejects_what_cannot_run_naming_the_key(zero, key):
     with pytest.raises(ConfigError) as err:
         OffloadPlan.from_config(_zero(**zero))
     assert err.value.path == f"zero_optimization.{key}"
+
+
+def test_offloaded_records_are_capped_for_overlap_at_stages_1_2():
+    """With the optimizer on the host, a stage 1-2 record (one bucket) holds at most
+    OFFLOAD_RECORD_NUMEL elements, so DeepSpeed's default 5e8 buckets do not leave a 1.42B
+    model with three records (docs/offload.md, "record size"); without offload the bucket
+    size is the user's."""
+    from zerotrain.offload.plan import OFFLOAD_RECORD_NUMEL
+    offloaded = OffloadPlan.from_config(_zero(stage=2, offload_optimizer={"device": "cpu"}))
+    assert offloaded.record_numel(500_000_000) == OFFLOAD_RECORD_NUMEL == 50_000_000
+    assert offloaded.record_numel(1000) == 1000
+    assert OffloadPlan.from_config(_zero(stage=2)).record_numel(500_000_000) == 500_000_000
 
 
 def test_plan_reads_devices_and_delay():
@@ -118,30 +141,38 @@ def test_nvme_needs_adam_state(tmp_path):
     updater.close()
 
 
-def test_host_gradients_stay_16_bit_with_one_fp32_buffer_of_the_largest_record():
-    """16-bit gradients come down into host buffers of their own dtype (2 bytes per element,
-    counted by the copy ledger) and are widened to fp32 one record at a time: no
-    full-size fp32 gradient copy on the host."""
+def test_the_host_touches_each_element_only_for_adam_and_the_dma():
+    """bf16 gradients are widened, averaged and unscaled on the device and land in fp32
+    (Note "the host does only Adam"): per element and step the host's memory sees the
+    landing copy (4 bytes written), Adam's own pass (gradient, master and two moments read,
+    master and moments written) and the upload's read (4 bytes): no widening or cast pass,
+    and the result equals the device's arithmetic bit for bit."""
     sizes = [300, 1000, 200, 700]
     masters = [torch.zeros(n) for n in sizes]
     opt = torch.optim.AdamW(masters, lr=0.1, fused=True)
     reference = [m.clone() for m in masters]
-    ref_opt = torch.optim.AdamW(reference, lr=0.1)
+    ref_opt = torch.optim.AdamW(reference, lr=0.1, fused=True)
     storage = HostStorage()
     updater = HostUpdater(opt, storage)
-    for step in range(3):
+    steps, world, coef = 3, 2, 0.25
+    for step in range(steps):
         grads = [torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + i))
                  .to(torch.bfloat16) for i, n in enumerate(sizes)]
-        updater.step(masters, _g(grads), publish=lambda k: None)
+        updater.step(masters, Gradients(grads, [torch.bfloat16] * 4, world=world, coef=coef),
+                     publish=lambda k: storage.upload(masters[k], torch.bfloat16))
         for r, g in zip(reference, grads):
-            r.grad = g.float()
+            r.grad = g.float().div_(world).mul_(coef)
         ref_opt.step()
-    held = updater.gradients.tensors()
-    assert sorted(t.numel() for t in held if t.dtype == torch.bfloat16) == sorted(sizes)
-    assert [t.numel() for t in held if t.dtype == torch.float32] == [max(sizes)]
-    assert storage.transfers.ledger.nbytes["to_host"] == 3 * 2 * sum(sizes)
+    psi = sum(sizes)
+    assert storage.transfers.host.snapshot() == {
+        "gradient_land": {"read": 0, "written": 4 * psi * steps},
+        "adam": {"read": 16 * psi * steps, "written": 12 * psi * steps},
+        "upload": {"read": 4 * psi * steps, "written": 0}}
+    assert storage.transfers.ledger.nbytes == {"to_host": 4 * psi * steps,
+                                               "to_device": 4 * psi * steps}
+    assert sorted(t.numel() for t in updater.gradients.tensors()) == sorted(sizes)
     for m, r in zip(masters, reference):
-        torch.testing.assert_close(m, r, atol=1e-6, rtol=0)
+        assert torch.equal(m, r)
 
 
 def _nvme_updater(tmp_path, sizes=(6, 4)):
@@ -183,4 +214,37 @@ def test_a_failed_nvme_step_leaves_every_tensor_home_and_the_next_step_works(tmp
     assert [m.untyped_storage().data_ptr() for m in masters] == homes
     updater.step(masters, _g([torch.ones(6), torch.ones(4)]), publish=lambda k: None)
     assert all(m.untyped_storage().data_ptr() == h for m, h in zip(masters, homes))
+    updater.close()
+
+
+def test_delayed_update_takes_gradients_per_record_once_the_running_update_is_past_it():
+    """dpu: the next backward's gradient of record k goes down as it arrives when the
+    running update has stepped k (its host buffer is free), else at the step; each
+    gradient goes down once, and the results are the plain delayed update's."""
+    import threading
+    gate = threading.Event()
+
+    class Gated(torch.optim.SGD):
+        def step(self, closure=None):
+            assert gate.wait(30)
+            return super().step(closure)
+
+    masters = [torch.zeros(4), torch.zeros(3)]
+    updater = HostUpdater(Gated(masters, lr=1.0), HostStorage(), delayed=True)
+    updater.attach(masters)
+    first = [torch.ones(4), torch.ones(3)]
+    second = [torch.full((4,), 2.0), torch.full((3,), 2.0)]
+    updater.step(masters, _g(first), publish=lambda k: None, order=[1, 0])
+    updater.stream(1, second[1], world=1)          # the update is still at record 1
+    assert not updater.gradients.fetched(1)
+    gate.set()
+    updater._pending.result()                       # stepped, not yet settled
+    updater.stream(1, second[1], world=1)           # now its buffer is free: down at once
+    assert updater.gradients.fetched(1)
+    assert updater.settle()
+    updater.step(masters, _g(second), publish=lambda k: None, order=[1, 0])
+    assert updater.settle()
+    assert torch.equal(masters[0], torch.full((4,), -3.0))
+    assert torch.equal(masters[1], torch.full((3,), -3.0))
+    assert updater.storage.transfers.ledger.nbytes["to_host"] == 2 * 4 * 7   # once each
     updater.close()

@@ -25,6 +25,10 @@ class OffloadConfig(_Section):
     ratio: float = Field(1.0, ge=0, le=1)
     fast_init: bool = False
     dpu: bool = False   # offload_optimizer: one-step delayed parameter update (ZeRO-Offload)
+    # offload_optimizer, zerotrain's own (docs/offload.md): step records on the host during
+    # backward, validated after it; write a Chrome trace of the host step per record
+    speculative: bool = False
+    trace_path: Optional[str] = None
 
 
 class ZeroConfig(_Section):

@@ -7,6 +7,11 @@ from typing import Optional
 from ..errors import ConfigError
 
 SWAP_SLOTS = 3   # NVMe: one record being read, one stepped, one written back
+# Largest record the host steps at once (elements): small enough that the host's work on
+# the first records overlaps the rest of backward and that the last record's step and
+# upload, which nothing hides, stay short (20 ms of CPU Adam at 2.5 G params/s); large
+# enough that a reduce-scatter of one bucket still runs at bandwidth (100 MB in bf16).
+OFFLOAD_RECORD_NUMEL = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -14,6 +19,11 @@ class OffloadPlan:
     """optimizer: where fp32 masters and optimizer state live ("none", "cpu", "nvme").
     param: where stage-3 parameter shards live between uses ("none", "cpu", "nvme").
     delayed_update: step on the host while the next micro-batches run (``dpu``).
+    speculative: step each record on the host as its gradient lands during backward,
+    validated after it (``offload/speculation.py``).
+    trace_path: where to write the host step's per-record timeline (``offload/trace.py``).
+    ratio: the fraction of the records offloaded (DeepSpeed's key): the first ``1 - ratio``
+    of them keep their state on the device and are stepped there.
     """
 
     optimizer: str = "none"
@@ -24,6 +34,17 @@ class OffloadPlan:
     param_pin_memory: bool = False
     buffer_count: int = SWAP_SLOTS
     delayed_update: bool = False
+    speculative: bool = False
+    trace_path: Optional[str] = None
+    ratio: float = 1.0
+
+    def record_numel(self, bucket_numel: int) -> int:
+        """The gradient bucket size, in elements, at stages 1-2: the record the host steps
+        at a time when the optimizer is offloaded is one bucket, so it is capped at
+        ``OFFLOAD_RECORD_NUMEL`` there (Note "record size" in docs/offload.md)."""
+        if not self.optimizer_offloaded:
+            return bucket_numel
+        return min(bucket_numel, OFFLOAD_RECORD_NUMEL)
 
     @property
     def optimizer_offloaded(self) -> bool:
@@ -54,20 +75,37 @@ class OffloadPlan:
                                   "offload_optimizer (the fp32 state would otherwise stay on "
                                   "the device, 12 bytes per parameter against 2 saved)",
                                   value=par_device)
-        for name, section in (("offload_optimizer", opt), ("offload_param", par)):
-            if section is not None and section.device != "none" and section.ratio != 1.0:
-                raise ConfigError(f"zero_optimization.{name}.ratio", "partial offload is not "
-                                  "supported; use 1.0 (all) or device \"none\"",
-                                  value=section.ratio)
+        if par is not None and par.device != "none" and par.ratio != 1.0:
+            raise ConfigError("zero_optimization.offload_param.ratio", "partial parameter "
+                              'offload is not supported; use 1.0 (all) or device "none"',
+                              value=par.ratio)
+        ratio = opt.ratio if opt is not None and opt_device != "none" else 1.0
+        if ratio != 1.0 and (opt_device != "cpu" or zero.stage == 3 or (opt and opt.dpu)):
+            raise ConfigError(f"{key}.ratio", "partial optimizer offload (the first "
+                              "1 - ratio of the records stepped on the device) is supported "
+                              'with device "cpu" at stages 1-2, without dpu; use 1.0 here',
+                              value=ratio)
         dpu = bool(opt is not None and opt.dpu)
         if dpu and opt_device == "none":
             raise ConfigError(f"{key}.dpu", "the delayed parameter update overlaps the host "
                               'optimizer step; it needs offload_optimizer.device "cpu" or '
                               '"nvme"', value=True)
+        speculative = bool(opt is not None and opt.speculative)
+        trace_path = opt.trace_path if opt is not None else None
+        for name, value in (("speculative", speculative), ("trace_path", trace_path)):
+            if value and opt_device == "none":
+                raise ConfigError(f"{key}.{name}", "concerns the host optimizer step; it "
+                                  'needs offload_optimizer.device "cpu" or "nvme"',
+                                  value=value)
+        if speculative and dpu:
+            raise ConfigError(f"{key}.speculative", "the delayed parameter update already "
+                              "steps the host during the next forward and backward; use one "
+                              "of speculative and dpu", value=True)
         return cls(optimizer=opt_device, param=par_device,
                    nvme_path=opt.nvme_path if opt is not None else None,
                    pin_memory=bool(opt is not None and opt.pin_memory),
                    param_nvme_path=par.nvme_path if par is not None else None,
                    param_pin_memory=bool(par is not None and par.pin_memory),
                    buffer_count=max(2, min(SWAP_SLOTS, opt.buffer_count)) if opt else SWAP_SLOTS,
-                   delayed_update=dpu)
+                   delayed_update=dpu, speculative=speculative, trace_path=trace_path,
+                   ratio=ratio)

@@ -42,6 +42,7 @@ import torch
 from ..errors import ConfigError
 from ..log import ALL_RANKS
 from .plan import OffloadPlan
+from .traffic import nbytes
 from .transfers import Transfers
 
 OPTIMIZER_SECTION = "zero_optimization.offload_optimizer"
@@ -129,7 +130,7 @@ class DeviceStorage:
 
     def fill_from_master(self, out: torch.Tensor, master: torch.Tensor, *,
                          master_storage: Storage) -> None:
-        """The master's storage sends it up (cast on the host when it lives there)."""
+        """The master's storage sends it up (in fp32 from the host, cast on the device)."""
         master_storage.upload(master, out.dtype, out=out)
 
     def close(self) -> None:
@@ -159,8 +160,8 @@ class HostStorage:
 
     def upload(self, master: torch.Tensor, dtype: torch.dtype,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``master`` (fp32, kept here) as ``dtype`` on the device, cast on the host so
-        only ``dtype``'s bytes cross (Note "the copy ledger" in transfers.py)."""
+        """``master`` (fp32, kept here) as ``dtype`` on the device: fp32 crosses and the
+        device casts (Note "the host does only Adam" in transfers.py)."""
         return self.transfers.upload(master, dtype, out)
 
     def memory_category(self, role: str) -> str:
@@ -179,8 +180,9 @@ class HostStorage:
     def fill_from_master(self, out: torch.Tensor, master: torch.Tensor, *,
                          master_storage: Storage) -> None:
         """Host to host: parameters on the host need their masters on the host too
-        (offload/plan.py)."""
+        (offload/plan.py); the one 16-bit write per parameter (Note "host traffic")."""
         out.copy_(master)
+        self.transfers.host.record("param_fill", read=nbytes(master), written=nbytes(out))
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not self.pin or numel == 0:

@@ -59,7 +59,8 @@ def step_alone(optimizer: torch.optim.Optimizer, group_index: int,
     a time would cost N^2 visits. This steps a shallow view of the optimizer whose only group
     is ``master``'s, with ``master`` its only parameter: the same class, the same state dict
     and the same hyperparameters, so the arithmetic is the optimizer's own. Group entries the
-    step writes are copied back.
+    step writes are copied back (only those: a speculative step runs on a worker thread,
+    and the caller may set a new learning rate meanwhile).
 
     The class's ``step`` is called, not the instance's: an LR scheduler replaces the
     instance's ``step`` with a wrapper that steps the optimizer it was built on (all of
@@ -71,9 +72,10 @@ def step_alone(optimizer: torch.optim.Optimizer, group_index: int,
     view.__dict__.update(optimizer.__dict__)
     alone = dict(group)
     alone["params"] = [master]
+    before = dict(alone)
     view.param_groups = [alone]
     type(optimizer).step(view)
     optimizer._opt_called = True   # what the scheduler's wrapper would have recorded
-    for key, value in alone.items():
-        if key != "params" and group.get(key) is not value:
+    for key, value in alone.items():   # only what the step wrote: the caller's thread may
+        if key != "params" and before.get(key) is not value:   # have changed others since
             group[key] = value

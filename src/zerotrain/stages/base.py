@@ -12,6 +12,7 @@ from ..comm import Communicator
 from ..errors import StateError
 from ..flat import Block
 from ..offload import CopyLedger, Gradients
+from ..offload.traffic import HostTraffic
 from ..records import FROZEN, ShardRecord   # re-exported: the stages' old home of both
 
 
@@ -93,8 +94,10 @@ class Stage(Protocol):
         3 gathers a partitioned parameter for the copy and releases it). Collective: every
         rank calls it for the same tensors in the same order."""
 
-    def settle(self) -> None:
-        """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""
+    def settle(self, *, before_step: bool = False) -> None:
+        """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective.
+        Unless ``before_step``, host steps taken speculatively for the coming step are
+        undone first (Note "speculation then validation" in offload/speculation.py)."""
 
     def close(self) -> None:
         """Release offload resources (threads, NVMe files)."""
@@ -105,6 +108,10 @@ class Stage(Protocol):
     @property
     def copy_ledger(self) -> CopyLedger:
         """Host <-> device copies by direction (Note "the copy ledger", offload/transfers.py)."""
+
+    @property
+    def host_traffic(self) -> HostTraffic:
+        """Host memory bytes by phase of the step (Note "host traffic", offload/traffic.py)."""
 
     def memory_peaks(self) -> dict[str, int]:
         """Figures for ``memory_breakdown`` that are not tensors held now (bytes)."""
@@ -129,7 +136,7 @@ class BucketedStage:
         In the boundary micro-step, as each record's last bucket is reduced, its squared
         norm is taken on the device and, when offloading, its copy to the host starts
         (``updater.stream``); the step then only sums the squares and waits for the
-        copies it needs, record by record.
+        copies it needs, record by record, in the order the records completed.
     """
 
     _boundary = True
@@ -139,6 +146,7 @@ class BucketedStage:
         """Follow bucket completion (Note: records as buckets complete)."""
         self._squares: dict[int, torch.Tensor] = {}
         self._blocks_left: dict[int, int] = {}
+        self._arrived: list[int] = []   # records in the order they completed
         self.buckets.on_reduced = self._on_block_reduced
 
     @property
@@ -158,6 +166,7 @@ class BucketedStage:
         self._boundary = boundary
         if boundary and not self.buckets.active:
             self._squares = {}
+            self._arrived = []
             self._blocks_left = {g: len(layout.blocks)
                                  for g, layout in enumerate(self.buckets.layouts)}
 
@@ -167,12 +176,14 @@ class BucketedStage:
             return
         shard = self.buckets.reduced_shard(g)
         self._squares[g] = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
-        self.updater.stream(g, shard, self.buckets.exact_dtype(g))
+        self._arrived.append(g)
+        self.updater.stream(g, shard, self.data_parallel_world or self.comm.world_size)
 
     def finish_backward(self) -> None:
         self.buckets.finish()
 
     def zero_grad(self) -> None:
+        self.updater.retract()   # gradients discarded: no speculative step stands
         self.buckets.collect()
         self.buckets.clear()
 
@@ -189,9 +200,12 @@ class BucketedStage:
             self.updater.forget()
             self.zero_grad()
             return grads
-        # the update (offload/updater.py: on the device, or record by record on the host)
+        # the update (offload/updater.py: on the device, or record by record on the host,
+        # in the order the records completed, the same on every rank)
+        arrived = getattr(self, "_arrived", [])
+        order = arrived + [k for k in range(len(records)) if k not in set(arrived)]
         self.updater.step([r.master for r in records], grads.gradients,
-                          publish=self.publish_record)
+                          publish=self.publish_record, order=order)
         if not self.updater.delayed:
             self.finish_publish()
         self.zero_grad()
@@ -218,8 +232,11 @@ class BucketedStage:
     def memory_peaks(self) -> dict[str, int]:
         return {}
 
-    def settle(self) -> None:
-        """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective."""
+    def settle(self, *, before_step: bool = False) -> None:
+        """Finish a delayed (``dpu``) update and publish it; no-op otherwise. Collective.
+        Unless ``before_step``, speculative host steps are undone first."""
+        if not before_step:
+            self.updater.retract()
         if self.updater.settle():
             self.publish_parameters()
 
@@ -243,6 +260,10 @@ class BucketedStage:
     @property
     def copy_ledger(self) -> CopyLedger:
         return self.storage.transfers.ledger
+
+    @property
+    def host_traffic(self) -> HostTraffic:
+        return self.storage.transfers.host
 
     def compile_targets(self, module: nn.Module) -> list[CompileTarget]:
         """The whole module: these stages hook only parameters, never module calls."""
@@ -286,7 +307,8 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
     if clip > 0:
         coef *= min(1.0, clip / (norm + 1e-6))
     wire = list(wire) or [shard.dtype for shard in summed]
-    return PreparedGradients(Gradients(list(summed), wire, world, coef), norm)
+    return PreparedGradients(Gradients(list(summed), wire, world, coef, 1.0 / grad_scale),
+                             norm)
 
 
 def _nonfinite_names(records: Sequence[ShardRecord], grads: Sequence[torch.Tensor],

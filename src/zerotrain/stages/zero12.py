@@ -14,10 +14,10 @@ Note: one step
     2. ``BucketedStage.step`` (stages/base.py) takes the global norm (one scalar all-reduce
        when sharded, from squares taken as the buckets completed) and skips on inf/nan; the
        update casts each shard to fp32, divides by the world size, unscales and clips in
-       one multiply (on the host when offloading: ``offload/gradients.py``) and steps the
-       optimizer over the fp32 shards;
-    3. the updated shards are cast to the parameter dtype (on the host when offloading, so
-       16 bits cross to the device) and all-gathered piece by piece straight into the
+       one multiply (on the device in both cases: ``offload/gradients.py``) and steps the
+       optimizer over the fp32 shards (on the host when offloading);
+    3. the updated shards are cast to the parameter dtype (on the device when offloading,
+       after the fp32 values go up) and all-gathered piece by piece straight into the
        module's parameters (two pieces in flight at most; Note: publishing in place).
 """
 from __future__ import annotations
@@ -153,7 +153,7 @@ class ShardedDataParallel(BucketedStage):
         group = self.groups[k]
         if group.aliased:
             return
-        # on the host when offloaded: cast there, so 16 bits go up (offload/transfers.py)
+        # offloaded: fp32 goes up and is cast on the device (offload/transfers.py)
         shard = self.storage.upload(group.master, self.policy.param_dtype)
         if group.layout.world > 1:
             self._gather_into_params(group, shard)

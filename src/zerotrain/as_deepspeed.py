@@ -30,12 +30,23 @@ Note: versions
     ``version.parse(deepspeed.__version__) >= version.parse("0.10.0")`` takes the branch
     written for that DeepSpeed. zerotrain's own version stays ``zerotrain.__version__``,
     also readable as ``deepspeed.__zerotrain_version__``.
+
+Note: distribution metadata
+    transformers' ``is_deepspeed_available`` and Accelerate's check ask
+    ``importlib.metadata`` for a ``deepspeed`` distribution, not just for an importable
+    module. While installed, the finder also answers ``importlib.metadata`` (its
+    ``find_distributions``) with a distribution built in memory: name ``deepspeed``,
+    version ``zerotrain.DEEPSPEED_VERSION``. Nothing is written to disk; after
+    :func:`uninstall`, or in any other process, ``deepspeed`` has no metadata again.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
+import pathlib
+import re
 import os
 import runpy
 import sys
@@ -131,8 +142,37 @@ class _Alias(types.ModuleType):
         return sorted(names)
 
 
+class _Distribution(importlib.metadata.Distribution):
+    """``deepspeed``'s metadata, in memory only (Note: distribution metadata)."""
+
+    def read_text(self, filename: str) -> Optional[str]:
+        zt = importlib.import_module("zerotrain")
+        if filename in ("METADATA", "PKG-INFO"):
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {zt.DEEPSPEED_VERSION}\n"
+                    f"Summary: zerotrain {zt.__version__} standing in for DeepSpeed "
+                    f"{zt.DEEPSPEED_VERSION} (zerotrain launch --as-deepspeed)\n"
+                    "Author: zerotrain\n")
+        if filename == "top_level.txt":
+            return "deepspeed\n"
+        return None
+
+    def locate_file(self, path) -> pathlib.Path:
+        return pathlib.Path(os.path.dirname(os.path.abspath(__file__))) / str(path)
+
+
+def _wants_deepspeed(name: Optional[str]) -> bool:
+    return name is None or re.sub(r"[-_.]+", "-", name).lower() == "deepspeed"
+
+
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers every ``deepspeed`` import while installed: an alias, or a clear error."""
+    """Answers every ``deepspeed`` import while installed: an alias, or a clear error.
+
+    Also the ``importlib.metadata`` finder of the ``deepspeed`` distribution.
+    """
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        """``importlib.metadata``'s hook (Note: distribution metadata)."""
+        return iter([_Distribution()] if _wants_deepspeed(context.name) else [])
 
     def find_spec(self, fullname: str, path=None, target=None):
         if fullname != "deepspeed" and not fullname.startswith("deepspeed."):

@@ -38,6 +38,16 @@ Note: distribution metadata
     ``find_distributions``) with a distribution built in memory: name ``deepspeed``,
     version ``zerotrain.DEEPSPEED_VERSION``. Nothing is written to disk; after
     :func:`uninstall`, or in any other process, ``deepspeed`` has no metadata again.
+
+Note: Accelerate on a CPU host
+    Accelerate (which the ``Trainer`` runs on) picks the process-group backend from the
+    devices it finds; on a host with none it finds no backend for its DeepSpeed path, still
+    calls ``deepspeed.comm.init_distributed`` (so DeepSpeed's world has N ranks), but then
+    records one process: every rank reads all the data and the batch size is computed for
+    one rank (the real DeepSpeed then fails its batch-size check the same way). The runner
+    (:func:`main`, not :func:`install`) therefore gives Accelerate's backend choice
+    ``gloo`` in that one case (DeepSpeed requested, a launcher's ``LOCAL_RANK`` set, no
+    backend found), as its non-DeepSpeed CPU path does. With a GPU nothing changes.
 """
 from __future__ import annotations
 
@@ -79,7 +89,7 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime": None,
     "deepspeed.runtime.engine": "zerotrain",
     "deepspeed.runtime.zero": "zerotrain.zero",
-    "deepspeed.runtime.zero.partition_parameters": "zerotrain.zero",
+    "deepspeed.runtime.zero.partition_parameters": "zerotrain.zero.partition_parameters",
     "deepspeed.runtime.zero.stage3": "zerotrain.estimate",          # the memory estimators
     "deepspeed.runtime.zero.stage_1_and_2": "zerotrain.estimate",
     "deepspeed.runtime.activation_checkpointing": None,
@@ -90,6 +100,9 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime.pipe": "zerotrain.pipe",
     "deepspeed.runtime.pipe.engine": "zerotrain.pipe",
     "deepspeed.runtime.pipe.module": "zerotrain.pipe",
+    # Trainer and Accelerate through the switch
+    "deepspeed.checkpoint": None,
+    "deepspeed.checkpoint.utils": "zerotrain.checkpoint.ds_utils",
 }
 _FORWARDED_DUNDERS = frozenset({"__all__"})  # others belong to the alias
 _GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
@@ -232,6 +245,30 @@ def uninstall() -> None:
         del sys.modules[name]
 
 
+def _accelerate_on_cpu() -> None:
+    """Give Accelerate's DeepSpeed path ``gloo`` on a host without devices (Note:
+    Accelerate on a CPU host); a no-op without Accelerate or with CUDA."""
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    from accelerate.state import PartialState
+    original = PartialState.__dict__.get("_prepare_backend")
+    if original is None or getattr(original, "__zerotrain__", False):
+        return
+
+    def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend=None):
+        chosen, kind = original(self, cpu, sagemaker_dp, backend)
+        if (chosen is None and not cpu and os.environ.get("LOCAL_RANK", "-1") != "-1"
+                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"):
+            chosen = "gloo"
+        return chosen, kind
+
+    _prepare_backend.__zerotrain__ = True   # type: ignore[attr-defined]
+    PartialState._prepare_backend = _prepare_backend
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m zerotrain.as_deepspeed [--no_local_rank] (script.py | -m module) args``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -245,6 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     target, args = argv[0], argv[1:]
     install()
+    _accelerate_on_cpu()
     if not any(k in os.environ for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):
         os.environ["LOCAL_RANK"] = "0"   # no launcher: one process, as a launcher of one
     if not no_local_rank and "LOCAL_RANK" in os.environ:

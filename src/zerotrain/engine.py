@@ -371,6 +371,20 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
                                 exclude_frozen_parameters)
         return True
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save`` (Accelerate
+        asks it before saving a stage-3 model)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict]:
+        """The full state dict on rank 0, None on the others (DeepSpeed's name, called by
+        Accelerate's ``get_state_dict`` and the Trainer's ``save_model``; the callers check
+        ``zero_gather_16bit_weights_on_model_save`` first). Collective: every rank calls it."""
+        self.settle()
+        return export.consolidated_state_dict(self.module, self.stage, self.comm.rank,
+                                              exclude_frozen_parameters)
+
     # ---- checkpoints ----
     # Everything the engine knows about checkpoints is in this block; the work is done by
     # ``checkpoint/`` (docs/checkpoints.md), which sees the engine only as a TrainingState.

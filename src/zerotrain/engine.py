@@ -43,6 +43,7 @@ from . import checkpoint, export
 from .comm import Communicator
 from .compile import Compilation, CompileSettings
 from .config import ZeroTrainConfig
+from .direct_backward import DirectBackward
 from .engine_api import DeepSpeedEngineAPI
 from .engine_reports import EngineReports, reach_totals
 from .errors import ConfigError, NonFiniteGradientError, StateError
@@ -88,6 +89,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._backward_in_window = False
         self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
         self._local_backwards = 0          # no_sync backwards no reduction has taken yet
+        self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue)
         self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
@@ -104,7 +106,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         with self._timers.time("forward"):
             if self.policy.param_dtype != torch.float32:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
-            return self.module(*args, **kwargs)
+            outputs = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and not self.inference_only:
+            outputs = self._direct.gate(outputs)   # loss.backward() works too (its Note)
+        return outputs
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -122,14 +127,27 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 scaled = scaled / self.gradient_accumulation_steps()
             scaled = self.loss_scaler.scale(scaled)
-            local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
-            self.stage.begin_backward(boundary, local=local)
-            scaled.backward(retain_graph=retain_graph)
-            self.stage.finish_backward()
+            self._backward_prologue()
+            with self._direct.managed():
+                scaled.backward(retain_graph=retain_graph)
+            self._backward_epilogue()
+        return loss
+
+    def _backward_prologue(self) -> float:
+        """Before a backward's gradients exist: tell the stage whether it ends the window.
+        Returns what a direct ``loss.backward()`` multiplies its output gradients by."""
+        self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
+                                  local=self.inside_no_sync_ctxt)
+        return float(self.loss_scaler.scale(torch.tensor(1.0 / self.gradient_accumulation_steps(),
+                                                         dtype=torch.float64)))
+
+    def _backward_epilogue(self) -> None:
+        """After every gradient of the backward has arrived."""
+        self.stage.finish_backward()
         self._backward_in_window = True
+        local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
         if local or boundary:   # a boundary backward outside no_sync reduces them all
             self._local_backwards = self._local_backwards + 1 if local else 0
-        return loss
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -221,7 +239,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
     def _take_model_step(self, lr_kwargs: dict) -> None:
         if not self._backward_in_window:
             raise StateError("engine.step() reached an accumulation boundary without any "
-                             "engine.backward(loss) since the last update")
+                             "engine.backward(loss) or loss.backward() since the last update")
         if self.inside_no_sync_ctxt or self._local_backwards:
             where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
                      f"after {self._local_backwards} backward(s) inside engine.no_sync() "

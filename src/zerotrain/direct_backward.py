@@ -2,12 +2,15 @@
 outputs does what ``engine.backward(loss)`` does (DeepSpeed accepts it since 0.18).
 
 Note: how
-    ``engine.forward`` passes the module's output tensors through one identity autograd
-    node (:class:`_Gate`). When a backward that ``engine.backward`` did not start reaches
-    that node, the node runs the engine's prologue (the stage learns whether this
+    ``engine.forward`` passes each of the module's output tensors through an identity
+    autograd node (:class:`_Gate`, one per tensor; its output shares the tensor's storage
+    and version counter without being a view of it, so in-place operations on it, such as
+    the Trainer's ``loss *= ...``, are allowed and checked as usual). When a backward that ``engine.backward`` did not
+    start reaches the first of them, it runs the engine's prologue (the stage learns whether this
     backward ends the accumulation window), multiplies each output gradient by the factor
-    the prologue returns (``loss_scale / gradient_accumulation_steps``: what
-    ``engine.backward`` applies to the loss) and queues the epilogue (the stage's
+    the prologue returns (``1 / gradient_accumulation_steps``, as DeepSpeed's
+    engine-output hook does; fp16 loss scaling is the caller's, with ``engine.scale(loss)``,
+    as in DeepSpeed) and queues the epilogue (the stage's
     ``finish_backward``) to run when autograd finishes the whole backward. A loss the
     module computes itself (a Hugging Face model's ``outputs.loss``) is one of the outputs,
     so it is scaled once, at its own gate, never again through the logits it came from.
@@ -27,13 +30,13 @@ class _Gate(torch.autograd.Function):
     """Identity forward; backward hands the gradients to ``owner`` (Note: how)."""
 
     @staticmethod
-    def forward(ctx, owner: "DirectBackward", *tensors: torch.Tensor):
+    def forward(ctx, owner: "DirectBackward", tensor: torch.Tensor) -> torch.Tensor:
         ctx.owner = owner
-        return tuple(t.view_as(t) for t in tensors)
+        return tensor.detach()   # same storage and version counter; not a view
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return (None, *ctx.owner.on_gradients(grads))
+    def backward(ctx, grad: torch.Tensor):
+        return None, ctx.owner.on_gradient(grad)
 
 
 class DirectBackward:
@@ -56,22 +59,17 @@ class DirectBackward:
             self._managed -= 1
 
     def gate(self, outputs: Any) -> Any:
-        """``outputs`` with every floating tensor that needs a gradient behind one gate."""
-        found: list[torch.Tensor] = []
-        _visit(outputs, found.append)
-        if not found:
-            return outputs
-        gated = iter(_Gate.apply(self, *found))
-        return _rebuild(outputs, lambda _: next(gated))
+        """``outputs`` with every floating tensor that needs a gradient behind a gate."""
+        return _rebuild(outputs, lambda tensor: _Gate.apply(self, tensor))
 
-    def on_gradients(self, grads: tuple) -> tuple:
+    def on_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         if self._managed:
-            return grads
+            return grad
         if not self._running:
             self._running = True
             self._factor = self._prologue()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        return tuple(None if g is None else g * self._factor for g in grads)
+        return grad * self._factor
 
     def _finish(self) -> None:
         self._running = False
@@ -83,20 +81,9 @@ def _wanted(value: Any) -> bool:
             and value.is_floating_point())
 
 
-def _visit(value: Any, found: Callable[[torch.Tensor], None]) -> None:
-    if _wanted(value):
-        found(value)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _visit(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _visit(item, found)
-
-
 def _rebuild(value: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with each wanted tensor replaced, in :func:`_visit`'s order; dicts (and
-    Hugging Face ``ModelOutput``s) are updated in place, sequences rebuilt."""
+    """``value`` with each wanted tensor replaced; dicts (and Hugging Face
+    ``ModelOutput``s) are updated in place, sequences rebuilt."""
     if _wanted(value):
         return swap(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):   # a namedtuple

@@ -135,11 +135,16 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
 
     def _backward_prologue(self) -> float:
         """Before a backward's gradients exist: tell the stage whether it ends the window.
-        Returns what a direct ``loss.backward()`` multiplies its output gradients by."""
+        Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
+        accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
         self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
                                   local=self.inside_no_sync_ctxt)
-        return float(self.loss_scaler.scale(torch.tensor(1.0 / self.gradient_accumulation_steps(),
-                                                         dtype=torch.float64)))
+        return 1.0 / self.gradient_accumulation_steps()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (unchanged in bf16/fp32): what to call
+        ``.backward()`` on instead of ``engine.backward(loss)``, as in DeepSpeed."""
+        return self.loss_scaler.scale(loss)
 
     def _backward_epilogue(self) -> None:
         """After every gradient of the backward has arrived."""

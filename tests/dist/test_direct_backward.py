@@ -1,7 +1,7 @@
 """``loss.backward()`` then ``engine.step()`` trains exactly like ``engine.backward(loss)``
-(DeepSpeed accepts it since 0.18): at stages 0-3, in fp32 and fp16 (loss scaling), with
-gradient accumulation scaled by the engine, and with a loss the module computes itself
-beside another output that depends on it (scaled once)."""
+(DeepSpeed accepts it since 0.18): at stages 0-3, in fp32, and in fp16 with the loss scaled
+by ``engine.scale(loss)`` as DeepSpeed documents; the engine divides by the accumulation
+steps itself."""
 import pytest
 import torch
 
@@ -19,8 +19,8 @@ def _train(rank, world, stage, precision, direct):
     for step in range(STEPS):
         for micro in range(GA):
             loss = engine(*R.micro_batch(step, rank, micro))
-            if direct:
-                loss.backward()
+            if direct:   # fp16: DeepSpeed's documented engine.scale(loss).backward()
+                (engine.scale(loss) if precision == "fp16" else loss).backward()
             else:
                 engine.backward(loss)
             engine.step()

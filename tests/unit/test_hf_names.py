@@ -66,3 +66,19 @@ def test_steps_per_print_accepts_inf_and_engine_config_reads_like_a_dict():
     for bad in (2.5, 0, math.nan, True, "10"):
         with pytest.raises(ConfigError, match="steps_per_print"):
             load_config({"train_batch_size": 2, "steps_per_print": bad}, world_size=1)
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+     "bf16.bf16_master_weights_and_grads"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}},
+     "zero_optimization.zenflow"),
+])
+def test_keys_that_change_training_are_refused_by_name_when_on(extra, key):
+    with pytest.raises(ConfigError, match=f"^{key}: .*not implemented"):
+        load_config({"train_batch_size": 2, **extra}, world_size=1)
+    off = {"torch_autocast": {"enabled": False}, "bf16": {"bf16_optimizer_states": False},
+           "zero_optimization": {"zenflow": None}}
+    load_config({"train_batch_size": 2, **off}, world_size=1)   # off: accepted, no effect

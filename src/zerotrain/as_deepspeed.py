@@ -103,6 +103,7 @@ ALIASES: dict[str, Optional[str]] = {
     # Trainer and Accelerate through the switch
     "deepspeed.checkpoint": None,
     "deepspeed.checkpoint.utils": "zerotrain.checkpoint.ds_utils",
+    "deepspeed.runtime.zero.offload_config": "zerotrain.offload_names",
 }
 _FORWARDED_DUNDERS = frozenset({"__all__"})  # others belong to the alias
 _GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"

@@ -394,6 +394,28 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
                                 exclude_frozen_parameters)
         return True
 
+    def offload_states(self, include: Optional[Any] = None, device: Any = "cpu",
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``offload_states``: move training states to the host to free
+        accelerator memory. Where every state already lives on the host (a CPU run) there is
+        nothing to move and this returns; on an accelerator it refuses by name rather than
+        pretend to have freed memory."""
+        self._states_on_host("offload_states", device)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``reload_states``: the inverse of :meth:`offload_states`."""
+        self._states_on_host("reload_states", "cpu")
+
+    def _states_on_host(self, call: str, device: Any) -> None:
+        if str(getattr(device, "value", device)) != "cpu":
+            raise StateError(f"engine.{call}(device={device!r}): only 'cpu' is supported")
+        held = [t for ts in self.stage.tensors_by_category().values() for t in ts]
+        elsewhere = sorted({str(t.device) for t in held if t.device.type != "cpu"})
+        if elsewhere:
+            raise StateError(f"engine.{call}() is not implemented for states on "
+                             f"{', '.join(elsewhere)}: zerotrain moves states to the host "
+                             "only through zero_optimization.offload_optimizer/offload_param")
+
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save`` (Accelerate
         asks it before saving a stage-3 model)."""

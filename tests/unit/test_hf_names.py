@@ -82,3 +82,34 @@ def test_keys_that_change_training_are_refused_by_name_when_on(extra, key):
     off = {"torch_autocast": {"enabled": False}, "bf16": {"bf16_optimizer_states": False},
            "zero_optimization": {"zenflow": None}}
     load_config({"train_batch_size": 2, **off}, world_size=1)   # off: accepted, no effect
+
+
+def test_offload_config_enums_and_offload_states_on_a_host_run(switch, worlds):
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+    assert OffloadDeviceEnum.cpu == "cpu" and OffloadDeviceEnum("nvme").name == "nvme"
+    assert [e.value for e in OffloadStateTypeEnum] == [
+        "optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"]
+    assert worlds.run(2, _offload_round_trip) == [True, True]
+
+
+def _offload_round_trip(rank, world):
+    import reference as R
+
+    import zerotrain
+    from zerotrain.errors import StateError
+    from zerotrain.offload_names import OffloadDeviceEnum
+
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
+                                      config=R.engine_config(stage=3))
+    engine.offload_states(device=OffloadDeviceEnum.cpu)
+    engine.reload_states()
+    try:
+        engine.offload_states(device=OffloadDeviceEnum.nvme)
+    except StateError as exc:
+        refused = "only 'cpu'" in str(exc)
+    engine.backward(engine(*R.micro_batch(0, rank, 0)))
+    engine.step()
+    engine.destroy()
+    return refused

@@ -74,3 +74,27 @@ def test_trainer_deepspeed_script_matches_the_plain_trainer_at_stages_2_and_3(tm
         assert ours["losses"] == pytest.approx(plain["losses"], abs=1e-4), stage
         assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], abs=1e-4), stage
         assert reloaded == pytest.approx(plain_reloaded, abs=1e-4), stage
+
+
+def _accelerate(tmp_path, name: str, launcher: list, extra: list) -> dict:
+    out = tmp_path / f"{name}.json"
+    run = subprocess.run([sys.executable, "-m", *launcher, "--standalone", "--nproc_per_node",
+                          "2", os.path.join(ROOT, "tests", "hf_scripts", "accelerate_ds.py"),
+                          "--out", str(out), *extra], cwd=str(tmp_path), env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_accelerate_deepspeed_plugin_drives_zerotrain_like_plain_ddp(tmp_path):
+    """Accelerate's own loop with its DeepSpeed plugin (no Trainer) at stage 3 (the Trainer
+    test above covers Accelerate's DeepSpeed path at stage 2)."""
+    plain = _accelerate(tmp_path, "plain", ["torch.distributed.run"], ["--plain"])
+    assert plain["processes"] == 2 and len(plain["losses"]) == 4
+    for stage in (3,):
+        ours = _accelerate(tmp_path, f"acc{stage}", ["zerotrain", "launch", "--as-deepspeed"],
+                           ["--stage", str(stage)])
+        assert ours["processes"] == 2
+        assert ours["losses"] == pytest.approx(plain["losses"], abs=1e-5), stage
+        assert ours["weights"] == pytest.approx(plain["weights"], abs=1e-4), stage

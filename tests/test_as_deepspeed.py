@@ -168,3 +168,45 @@ def test_runner_without_a_launcher_passes_local_rank_zero_like_deepspeeds(tmp_pa
     assert json.loads(out.read_text()) == {"argv": ["--local_rank=0", "--flag", str(out)],
                                            "name": "__main__", "device": "cpu"}
     assert json.loads((tmp_path / "out.json2").read_text())["argv"] == [str(out) + "2"]
+
+
+def test_switch_gives_deepspeed_metadata_to_its_own_process_only(tmp_path):
+    """transformers' and Accelerate's availability checks read ``importlib.metadata``; the
+    switch answers them in memory, and nothing is left behind on disk or after uninstall."""
+    import importlib.metadata as md
+    import importlib.util
+
+    from accelerate.utils import imports as accelerate_imports
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    import zerotrain
+    from zerotrain import as_deepspeed
+
+    def on_disk() -> list:
+        return sorted(f for d in sys.path if os.path.isdir(d) for f in os.listdir(d)
+                      if f.lower().startswith("deepspeed"))
+
+    before = on_disk()
+    with pytest.raises(md.PackageNotFoundError):
+        md.version("deepspeed")
+    assert not hf_deepspeed.is_deepspeed_available()
+    as_deepspeed.install()
+    try:
+        assert md.version("deepspeed") == zerotrain.DEEPSPEED_VERSION
+        assert md.metadata("DeepSpeed")["Name"] == "deepspeed"   # names compare case-blind
+        assert importlib.util.find_spec("deepspeed") is not None
+        assert md.packages_distributions()["deepspeed"] == ["deepspeed"]
+        assert [d.version for d in md.distributions(name="deepspeed")] == ["0.19.8"]
+        assert hf_deepspeed.is_deepspeed_available()
+        assert accelerate_imports._is_package_available("deepspeed")
+        assert on_disk() == before
+        other = subprocess.run([sys.executable, "-c", "import importlib.metadata as m\n"
+                                "try: m.version('deepspeed')\n"
+                                "except m.PackageNotFoundError: print('absent')"],
+                               capture_output=True, text=True, timeout=60)
+        assert other.stdout.strip() == "absent", other.stderr
+    finally:
+        as_deepspeed.uninstall()
+    with pytest.raises(md.PackageNotFoundError):
+        md.version("deepspeed")
+    assert not hf_deepspeed.is_deepspeed_available() and on_disk() == before

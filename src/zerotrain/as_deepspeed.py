@@ -30,12 +30,33 @@ Note: versions
     ``version.parse(deepspeed.__version__) >= version.parse("0.10.0")`` takes the branch
     written for that DeepSpeed. zerotrain's own version stays ``zerotrain.__version__``,
     also readable as ``deepspeed.__zerotrain_version__``.
+
+Note: distribution metadata
+    transformers' ``is_deepspeed_available`` and Accelerate's check ask
+    ``importlib.metadata`` for a ``deepspeed`` distribution, not just for an importable
+    module. While installed, the finder also answers ``importlib.metadata`` (its
+    ``find_distributions``) with a distribution built in memory: name ``deepspeed``,
+    version ``zerotrain.DEEPSPEED_VERSION``. Nothing is written to disk; after
+    :func:`uninstall`, or in any other process, ``deepspeed`` has no metadata again.
+
+Note: Accelerate on a CPU host
+    Accelerate (which the ``Trainer`` runs on) picks the process-group backend from the
+    devices it finds; on a host with none it finds no backend for its DeepSpeed path, still
+    calls ``deepspeed.comm.init_distributed`` (so DeepSpeed's world has N ranks), but then
+    records one process: every rank reads all the data and the batch size is computed for
+    one rank (the real DeepSpeed then fails its batch-size check the same way). The runner
+    (:func:`main`, not :func:`install`) therefore gives Accelerate's backend choice
+    ``gloo`` in that one case (DeepSpeed requested, a launcher's ``LOCAL_RANK`` set, no
+    backend found), as its non-DeepSpeed CPU path does. With a GPU nothing changes.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
+import pathlib
+import re
 import os
 import runpy
 import sys
@@ -68,7 +89,7 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime": None,
     "deepspeed.runtime.engine": "zerotrain",
     "deepspeed.runtime.zero": "zerotrain.zero",
-    "deepspeed.runtime.zero.partition_parameters": "zerotrain.zero",
+    "deepspeed.runtime.zero.partition_parameters": "zerotrain.zero.partition_parameters",
     "deepspeed.runtime.zero.stage3": "zerotrain.estimate",          # the memory estimators
     "deepspeed.runtime.zero.stage_1_and_2": "zerotrain.estimate",
     "deepspeed.runtime.activation_checkpointing": None,
@@ -79,6 +100,10 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime.pipe": "zerotrain.pipe",
     "deepspeed.runtime.pipe.engine": "zerotrain.pipe",
     "deepspeed.runtime.pipe.module": "zerotrain.pipe",
+    # Trainer and Accelerate through the switch
+    "deepspeed.checkpoint": None,
+    "deepspeed.checkpoint.utils": "zerotrain.checkpoint.ds_utils",
+    "deepspeed.runtime.zero.offload_config": "zerotrain.offload_names",
 }
 _FORWARDED_DUNDERS = frozenset({"__all__"})  # others belong to the alias
 _GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
@@ -131,8 +156,37 @@ class _Alias(types.ModuleType):
         return sorted(names)
 
 
+class _Distribution(importlib.metadata.Distribution):
+    """``deepspeed``'s metadata, in memory only (Note: distribution metadata)."""
+
+    def read_text(self, filename: str) -> Optional[str]:
+        zt = importlib.import_module("zerotrain")
+        if filename in ("METADATA", "PKG-INFO"):
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {zt.DEEPSPEED_VERSION}\n"
+                    f"Summary: zerotrain {zt.__version__} standing in for DeepSpeed "
+                    f"{zt.DEEPSPEED_VERSION} (zerotrain launch --as-deepspeed)\n"
+                    "Author: zerotrain\n")
+        if filename == "top_level.txt":
+            return "deepspeed\n"
+        return None
+
+    def locate_file(self, path) -> pathlib.Path:
+        return pathlib.Path(os.path.dirname(os.path.abspath(__file__))) / str(path)
+
+
+def _wants_deepspeed(name: Optional[str]) -> bool:
+    return name is None or re.sub(r"[-_.]+", "-", name).lower() == "deepspeed"
+
+
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers every ``deepspeed`` import while installed: an alias, or a clear error."""
+    """Answers every ``deepspeed`` import while installed: an alias, or a clear error.
+
+    Also the ``importlib.metadata`` finder of the ``deepspeed`` distribution.
+    """
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        """``importlib.metadata``'s hook (Note: distribution metadata)."""
+        return iter([_Distribution()] if _wants_deepspeed(context.name) else [])
 
     def find_spec(self, fullname: str, path=None, target=None):
         if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
@@ -192,6 +246,30 @@ def uninstall() -> None:
         del sys.modules[name]
 
 
+def _accelerate_on_cpu() -> None:
+    """Give Accelerate's DeepSpeed path ``gloo`` on a host without devices (Note:
+    Accelerate on a CPU host); a no-op without Accelerate or with CUDA."""
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    from accelerate.state import PartialState
+    original = PartialState.__dict__.get("_prepare_backend")
+    if original is None or getattr(original, "__zerotrain__", False):
+        return
+
+    def _prepare_backend(self, cpu: bool = False, sagemaker_dp=False, backend=None):
+        chosen, kind = original(self, cpu, sagemaker_dp, backend)
+        if (chosen is None and not cpu and os.environ.get("LOCAL_RANK", "-1") != "-1"
+                and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"):
+            chosen = "gloo"
+        return chosen, kind
+
+    _prepare_backend.__zerotrain__ = True   # type: ignore[attr-defined]
+    PartialState._prepare_backend = _prepare_backend
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m zerotrain.as_deepspeed [--no_local_rank] (script.py | -m module) args``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -205,6 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     target, args = argv[0], argv[1:]
     install()
+    _accelerate_on_cpu()
     if not any(k in os.environ for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):
         os.environ["LOCAL_RANK"] = "0"   # no launcher: one process, as a launcher of one
     if not no_local_rank and "LOCAL_RANK" in os.environ:

@@ -43,6 +43,7 @@ from . import checkpoint, export
 from .comm import Communicator
 from .compile import Compilation, CompileSettings
 from .config import ZeroTrainConfig
+from .direct_backward import DirectBackward
 from .engine_api import DeepSpeedEngineAPI
 from .engine_reports import EngineReports, reach_totals
 from .errors import ConfigError, NonFiniteGradientError, StateError
@@ -88,6 +89,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._backward_in_window = False
         self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
         self._local_backwards = 0          # no_sync backwards no reduction has taken yet
+        self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue)
         self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
@@ -105,7 +107,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         with self._timers.time("forward"):
             if self.policy.param_dtype != torch.float32:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
-            return self.module(*args, **kwargs)
+            outputs = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and not self.inference_only:
+            outputs = self._direct.gate(outputs)   # loss.backward() works too (its Note)
+        return outputs
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -123,14 +128,32 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 scaled = scaled / self.gradient_accumulation_steps()
             scaled = self.loss_scaler.scale(scaled)
-            local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
-            self.stage.begin_backward(boundary, local=local)
-            scaled.backward(retain_graph=retain_graph)
-            self.stage.finish_backward()
+            self._backward_prologue()
+            with self._direct.managed():
+                scaled.backward(retain_graph=retain_graph)
+            self._backward_epilogue()
+        return loss
+
+    def _backward_prologue(self) -> float:
+        """Before a backward's gradients exist: tell the stage whether it ends the window.
+        Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
+        accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
+        self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
+                                  local=self.inside_no_sync_ctxt)
+        return 1.0 / self.gradient_accumulation_steps()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (unchanged in bf16/fp32): what to call
+        ``.backward()`` on instead of ``engine.backward(loss)``, as in DeepSpeed."""
+        return self.loss_scaler.scale(loss)
+
+    def _backward_epilogue(self) -> None:
+        """After every gradient of the backward has arrived."""
+        self.stage.finish_backward()
         self._backward_in_window = True
+        local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
         if local or boundary:   # a boundary backward outside no_sync reduces them all
             self._local_backwards = self._local_backwards + 1 if local else 0
-        return loss
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -223,7 +246,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
     def _take_model_step(self, lr_kwargs: dict) -> None:
         if not self._backward_in_window:
             raise StateError("engine.step() reached an accumulation boundary without any "
-                             "engine.backward(loss) since the last update")
+                             "engine.backward(loss) or loss.backward() since the last update")
         if self.inside_no_sync_ctxt or self._local_backwards:
             where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
                      f"after {self._local_backwards} backward(s) inside engine.no_sync() "
@@ -373,6 +396,42 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         export.save_16bit_model(self.module, self.stage, self.comm, save_dir, save_filename,
                                 exclude_frozen_parameters)
         return True
+
+    def offload_states(self, include: Optional[Any] = None, device: Any = "cpu",
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``offload_states``: move training states to the host to free
+        accelerator memory. Where every state already lives on the host (a CPU run) there is
+        nothing to move and this returns; on an accelerator it refuses by name rather than
+        pretend to have freed memory."""
+        self._states_on_host("offload_states", device)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``reload_states``: the inverse of :meth:`offload_states`."""
+        self._states_on_host("reload_states", "cpu")
+
+    def _states_on_host(self, call: str, device: Any) -> None:
+        if str(getattr(device, "value", device)) != "cpu":
+            raise StateError(f"engine.{call}(device={device!r}): only 'cpu' is supported")
+        held = [t for ts in self.stage.tensors_by_category().values() for t in ts]
+        elsewhere = sorted({str(t.device) for t in held if t.device.type != "cpu"})
+        if elsewhere:
+            raise StateError(f"engine.{call}() is not implemented for states on "
+                             f"{', '.join(elsewhere)}: zerotrain moves states to the host "
+                             "only through zero_optimization.offload_optimizer/offload_param")
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save`` (Accelerate
+        asks it before saving a stage-3 model)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict]:
+        """The full state dict on rank 0, None on the others (DeepSpeed's name, called by
+        Accelerate's ``get_state_dict`` and the Trainer's ``save_model``; the callers check
+        ``zero_gather_16bit_weights_on_model_save`` first). Collective: every rank calls it."""
+        self.settle()
+        return export.consolidated_state_dict(self.module, self.stage, self.comm.rank,
+                                              exclude_frozen_parameters)
 
     # ---- checkpoints ----
     # Everything the engine knows about checkpoints is in this block; the work is done by

@@ -114,6 +114,19 @@ def save_16bit_model(module: nn.Module, weights: FullWeights, comm: Communicator
     return path
 
 
+def consolidated_state_dict(module: nn.Module, weights: FullWeights, rank: int,
+                            exclude_frozen_parameters: bool = False
+                            ) -> Optional[dict[str, torch.Tensor]]:
+    """The module's full state dict in its training dtype on rank 0 (host tensors, tied names
+    included), None on the others: DeepSpeed's ``_zero3_consolidated_16bit_state_dict``,
+    which Accelerate and the Trainer call to save. Collective: every rank calls it."""
+    entries = [(name, p) for name, p in module.named_parameters()
+               if p.requires_grad or not exclude_frozen_parameters]
+    entries += list(_persistent_buffers(module))
+    state = {name: weights.full_copy(t) for name, t in entries}   # every rank gathers
+    return _with_tied_names(module, state) if rank == 0 else None
+
+
 def _with_tied_names(module: nn.Module, state: dict[str, torch.Tensor]
                      ) -> dict[str, torch.Tensor]:
     """Add each tied parameter's other names (``lm_head.weight`` beside

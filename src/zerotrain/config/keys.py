@@ -66,6 +66,31 @@ _UNIMPLEMENTED_NAMES = {
 UNIMPLEMENTED_KEYS: Dict[str, FrozenSet[str]] = {
     section: frozenset(names.split()) for section, names in _UNIMPLEMENTED_NAMES.items()}
 
+# DeepSpeed keys that change what training computes: accepted only while they leave the
+# feature off (a false/empty value), otherwise refused by name with why, never ignored.
+REFUSED_WHEN_ON: Dict[str, str] = {
+    "torch_autocast": "DeepSpeed's torch_autocast mode (fp32 parameters, forward under "
+                      "torch.autocast, lower-precision gradient reduction) is not implemented; "
+                      "keep fp32 and wrap the forward in torch.autocast yourself, or use "
+                      "bf16.enabled (bf16 parameters, fp32 master weights)",
+    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients are not "
+                      "implemented: zerotrain keeps fp32 master weights and accumulates "
+                      "gradients in fp32 (data_types.grad_accum_dtype); remove the key",
+    "bf16.bf16_optimizer_states": "bf16 optimizer states are not implemented: zerotrain "
+                      "keeps the optimizer state in fp32; remove the key",
+    "zero_optimization.zenflow": "ZenFlow (stale, asynchronous host updates of the less "
+                      "important gradient columns) is not implemented; remove the zenflow "
+                      "section (offload_optimizer alone gives the synchronous host update)",
+}
+
+
+def refused_when_on(path: str, value: object) -> str:
+    """Why ``path`` cannot be set to ``value`` ("" when accepted: the feature is off)."""
+    off = value in (None, False, 0, "", {}) or (
+        isinstance(value, dict) and value.get("enabled", True) is False)
+    return "" if off else REFUSED_WHEN_ON.get(path, "")
+
+
 # Other spellings DeepSpeed accepts for a key, by section: alias -> the key the models use.
 _KEY_ALIASES: Dict[str, Dict[str, str]] = {
     "": {"bfloat16": "bf16"},

@@ -5,9 +5,10 @@ sections are in ``zero.py`` and ``sections.py``, and ``reader.load_config`` buil
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional
+import math
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, field_validator
 
 from .fields import NonNegative, PrecisionName, _Section
 from .sections import (ActivationCheckpointingConfig, BF16Config, CheckpointConfig,
@@ -33,7 +34,7 @@ class ZeroTrainConfig(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
-    steps_per_print: int = Field(10, ge=1)
+    steps_per_print: Union[int, float] = 10   # a whole number >= 1, or inf: never (Accelerate)
     wall_clock_breakdown: bool = False
     communication_data_type: Optional[PrecisionName] = None   # gradient reductions
     zero_allow_untested_optimizer: bool = False   # step a non-elementwise client optimizer
@@ -41,6 +42,18 @@ class ZeroTrainConfig(_Section):
     comms_timeout: float = Field(1800.0, gt=0, le=31_536_000, allow_inf_nan=False)  # s
     nonfinite: Literal["raise", "skip"] = "raise"  # bf16/fp32 inf/nan gradients
     debug: bool = False                            # log every collective as launched
+
+    @field_validator("steps_per_print", mode="wrap")
+    @classmethod
+    def _whole_or_never(cls, value: Any, handler: Any) -> Union[int, float]:
+        """A whole number of steps >= 1, or ``inf`` (never print), as DeepSpeed accepts."""
+        if isinstance(value, float) and value == math.inf:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError("must be a whole number of steps >= 1, or inf (never print)")
+        return value
 
     _raw: Dict[str, Any] = PrivateAttr(default_factory=dict)
     _unimplemented: List[str] = PrivateAttr(default_factory=list)
@@ -66,6 +79,11 @@ class ZeroTrainConfig(_Section):
     def raw(self) -> Dict[str, Any]:
         """A deep copy of the user's config, for features that read keys the models lack."""
         return self._raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``engine.config.get(key)``: DeepSpeed's ``engine.config`` is the user's dict, and
+        transformers reads it so (``config.get("zero_optimization", {}).get("stage")``)."""
+        return self._raw.get(key, default)
 
     @property
     def unimplemented_keys(self) -> List[str]:

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Type, get_args
 from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
-from .keys import _KEY_ALIASES, UNIMPLEMENTED_KEYS
+from .keys import _KEY_ALIASES, UNIMPLEMENTED_KEYS, refused_when_on
 from .sections import OPTIMIZER_PARAMS
 
 
@@ -70,6 +70,9 @@ def _clean(model: Type[BaseModel], data: Any, path: str, canon: str, walk: _Walk
             out[name] = _clean(sub, value, where, _join(canon, name), walk) if sub else value
         elif key in skipped:
             _reject_auto(value, where)
+            why = refused_when_on(_join(canon, key), value)
+            if why:
+                raise ConfigError(where, why, value=value)
             walk.unimplemented.append(where)
         else:
             raise _unknown_key(key, where, list(fields), [*aliases, *skipped])

@@ -26,5 +26,10 @@ from .checks import WARMUP_TYPES, LrValue
 from .cycle import LRRangeTest, OneCycle
 from .warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
+# DeepSpeed's names: Accelerate tests ``type(scheduler).__name__ in VALID_LR_SCHEDULES``
+LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR = "LRRangeTest", "OneCycle", "WarmupLR"
+WARMUP_DECAY_LR, WARMUP_COSINE_LR = "WarmupDecayLR", "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+
 __all__ = ["SCHEDULERS", "WARMUP_TYPES", "LRRangeTest", "LrValue", "OneCycle", "WarmupCosineLR",
-           "WarmupDecayLR", "WarmupLR", "build_scheduler"]
+           "WarmupDecayLR", "WarmupLR", "build_scheduler", "VALID_LR_SCHEDULES"]

@@ -9,6 +9,16 @@ Note: partition at construction
     exactly the values of plain construction: inside the context those functions gather a
     partitioned parameter, initialise it in full with the same random stream, and partition
     it again. Every rank must build the same modules in the same order.
+
+Note: the same weights through transformers' ZeRO-3 path
+    ``from_config``/``from_pretrained`` under a DeepSpeed ZeRO-3 config enter transformers'
+    ``no_init_weights`` (torch's init functions become no-ops) before ``zero.Init``, then
+    initialise every module once more on rank 0 after construction. Skipping torch's
+    default inits during construction leaves the random stream where a plain
+    construction's is not, so every randomly initialised weight came out different. Inside
+    ``Init`` those functions are torch's again, so the construction draws what a plain one
+    draws and the later rank-0 initialisation continues from the same point: the weights
+    equal a plain ``from_config`` with the same seed.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from torch import nn
 from ..comm import Communicator, init_distributed
 from ..errors import StateError
 from . import partition as P
-from .writes import PartitionedWrites, bound_initializers
+from .writes import PartitionedWrites, bound_initializers, skipped_by_transformers
 
 _state = threading.local()
 _MISSING = object()
@@ -87,6 +97,8 @@ class Init:
             if "__init__" in cls.__dict__:
                 patch(cls, "__init__", wrap(cls.__dict__["__init__"]))
         self._patch(nn.Module, "__init_subclass__", classmethod(init_subclass))
+        for owner, name, original in list(skipped_by_transformers()):  # Note: transformers'
+            self._patch(owner, name, original)
         for owner, name, original in list(bound_initializers()):  # Note: every init path
             self._patch(owner, name, self._wrap_initializer(original))
         self._writes = PartitionedWrites(self._run_on_full)

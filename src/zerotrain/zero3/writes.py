@@ -57,6 +57,39 @@ def bound_initializers() -> Iterator[tuple[Any, str, Callable]]:
                 yield table, name, fn
 
 
+def skipped_by_transformers() -> Iterator[tuple[Any, str, Callable]]:
+    """(owner, name, what to run instead) for each init function that transformers'
+    ``no_init_weights`` has replaced by its no-op (torch's ``nn.init`` functions and
+    ``PreTrainedModel.init_weights``), which it does around ``zero.Init`` when it builds a
+    model for DeepSpeed ZeRO-3 (Note: the same weights through transformers' ZeRO-3 path,
+    in init.py)."""
+    hf = sys.modules.get("transformers.initialization")
+    table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
+    if not isinstance(table, dict):
+        return
+
+    def skipped(fn: Any) -> bool:
+        return (callable(fn) and getattr(fn, "__name__", "") == "empty_func"
+                and getattr(fn, "__module__", "") == hf.__name__)
+
+    for module_name in _TORCH_MODULES:
+        module = sys.modules.get(module_name)
+        for name, fn in table.items():
+            if module is not None and skipped(getattr(module, name, None)):
+                yield module, name, fn
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if pretrained is not None and skipped(pretrained.__dict__.get("init_weights")):
+        yield pretrained, "init_weights", _hf_init_weights
+
+
+def _hf_init_weights(model: Any) -> None:
+    """``PreTrainedModel.init_weights`` as transformers defines it: initialise (each module
+    once, flagged ``_is_hf_initialized``), then tie; the modules' later rank-0 pass then
+    finds them initialised and draws nothing."""
+    model.initialize_weights()
+    model.tie_weights(recompute_mapping=False)
+
+
 # in-place methods that change a tensor's metadata or autograd flags, not its values
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "resize_", "resize_as_", "set_",
                          "as_strided_", "detach_", "rename_", "refine_names_", "squeeze_",

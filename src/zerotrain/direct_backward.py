@@ -1,0 +1,96 @@
+"""``loss.backward()`` then ``engine.step()``: a plain PyTorch backward through the engine's
+outputs does what ``engine.backward(loss)`` does (DeepSpeed accepts it since 0.18).
+
+Note: how
+    ``engine.forward`` passes each of the module's output tensors through an identity
+    autograd node (:class:`_Gate`, one per tensor; its output shares the tensor's storage
+    and version counter without being a view of it, so in-place operations on it, such as
+    the Trainer's ``loss *= ...``, are allowed and checked as usual). When a backward that ``engine.backward`` did not
+    start reaches the first of them, it runs the engine's prologue (the stage learns whether this
+    backward ends the accumulation window), multiplies each output gradient by the factor
+    the prologue returns (``1 / gradient_accumulation_steps``, as DeepSpeed's
+    engine-output hook does; fp16 loss scaling is the caller's, with ``engine.scale(loss)``,
+    as in DeepSpeed) and queues the epilogue (the stage's
+    ``finish_backward``) to run when autograd finishes the whole backward. A loss the
+    module computes itself (a Hugging Face model's ``outputs.loss``) is one of the outputs,
+    so it is scaled once, at its own gate, never again through the logits it came from.
+    Inside ``engine.backward`` the node passes gradients through unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["DirectBackward"]
+
+
+class _Gate(torch.autograd.Function):
+    """Identity forward; backward hands the gradients to ``owner`` (Note: how)."""
+
+    @staticmethod
+    def forward(ctx, owner: "DirectBackward", tensor: torch.Tensor) -> torch.Tensor:
+        ctx.owner = owner
+        return tensor.detach()   # same storage and version counter; not a view
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, ctx.owner.on_gradient(grad)
+
+
+class DirectBackward:
+    """Routes backwards that do not come through ``engine.backward`` to the engine's
+    prologue and epilogue (Note: how)."""
+
+    def __init__(self, prologue: Callable[[], float], epilogue: Callable[[], None]) -> None:
+        self._prologue, self._epilogue = prologue, epilogue
+        self._managed = 0
+        self._running = False
+        self._factor = 1.0
+
+    @contextlib.contextmanager
+    def managed(self) -> Iterator[None]:
+        """``engine.backward`` is running: gradients pass the gates unchanged."""
+        self._managed += 1
+        try:
+            yield
+        finally:
+            self._managed -= 1
+
+    def gate(self, outputs: Any) -> Any:
+        """``outputs`` with every floating tensor that needs a gradient behind a gate."""
+        return _rebuild(outputs, lambda tensor: _Gate.apply(self, tensor))
+
+    def on_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._managed:
+            return grad
+        if not self._running:
+            self._running = True
+            self._factor = self._prologue()
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        return grad * self._factor
+
+    def _finish(self) -> None:
+        self._running = False
+        self._epilogue()
+
+
+def _wanted(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) and value.requires_grad
+            and value.is_floating_point())
+
+
+def _rebuild(value: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with each wanted tensor replaced; dicts (and Hugging Face
+    ``ModelOutput``s) are updated in place, sequences rebuilt."""
+    if _wanted(value):
+        return swap(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):   # a namedtuple
+        return type(value)(*(_rebuild(v, swap) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(v, swap) for v in value)
+    if isinstance(value, dict):
+        for key in list(value.keys()):
+            value[key] = _rebuild(value[key], swap)
+    return value

@@ -1,0 +1,38 @@
+"""``deepspeed.runtime.zero.partition_parameters``: ``deepspeed.zero``'s names plus the
+tensor-constructor wrapper transformers swaps while it builds a model under ``zero.Init``.
+
+DeepSpeed's ``zero.Init`` wraps ``torch.empty``/``zeros``/``arange``... with
+``zero_wrapper_for_fp_tensor_constructor`` to create tensors on the accelerator in the
+training dtype; transformers replaces the wrapper (``prevent_arange_dtype_change``) so that
+``torch.arange`` keeps its dtype. zerotrain's ``Init`` partitions parameters once each module
+is built and never rewrites constructors, so ``arange`` keeps its dtype either way; the
+wrapper is here so that code reading or replacing it runs, and it behaves as DeepSpeed's
+when called.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
+
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "_orig_torch_arange",
+           "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+
+_orig_torch_arange = torch.arange   # DeepSpeed's name for the unwrapped constructor
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype,
+                                           target_device: Optional[Any] = None) -> Callable:
+    """``fn`` creating its tensor on ``target_device`` (unless given one) and casting a
+    floating-point result to ``target_fp_dtype``, as DeepSpeed's wrapper does."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+    return wrapped

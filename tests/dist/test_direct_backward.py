@@ -1,0 +1,68 @@
+"""``loss.backward()`` then ``engine.step()`` trains exactly like ``engine.backward(loss)``
+(DeepSpeed accepts it since 0.18): at stages 0-3, in fp32, and in fp16 with the loss scaled
+by ``engine.scale(loss)`` as DeepSpeed documents; the engine divides by the accumulation
+steps itself."""
+import pytest
+import torch
+
+import reference as R
+
+STEPS, GA = 3, 2
+
+
+def _train(rank, world, stage, precision, direct):
+    import zerotrain
+    model = R.make_model()
+    config = R.engine_config(stage=stage, ga=GA, precision=precision, clip=1.0)
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    for step in range(STEPS):
+        for micro in range(GA):
+            loss = engine(*R.micro_batch(step, rank, micro))
+            if direct:   # fp16: DeepSpeed's documented engine.scale(loss).backward()
+                (engine.scale(loss) if precision == "fp16" else loss).backward()
+            else:
+                engine.backward(loss)
+            engine.step()
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    return weights, engine.global_steps, engine.get_global_grad_norm()
+
+
+def _compare(rank, world):
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for precision in (("fp32", "fp16") if stage == 1 else ("fp32",)):
+            managed = _train(rank, world, stage, precision, direct=False)
+            direct = _train(rank, world, stage, precision, direct=True)
+            out[(stage, precision)] = (managed, direct)
+    return out
+
+
+@pytest.mark.slow
+def test_plain_loss_backward_then_step_matches_engine_backward_at_every_stage(worlds):
+    for result in worlds.run(2, _compare):
+        for key, (managed, direct) in result.items():
+            assert direct[1] == managed[1] == STEPS, key
+            assert direct[2] == managed[2], key
+            for name, value in managed[0].items():
+                assert torch.equal(direct[0][name], value), (key, name)
+
+
+def _without_engine_backward(rank, world):
+    import zerotrain
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
+                                      config=R.engine_config(stage=2, ga=GA))
+    try:
+        engine.step()
+        engine.step()
+    except zerotrain.errors.StateError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_step_without_any_backward_still_names_both_ways(worlds):
+    for message in worlds.run(2, _without_engine_backward):
+        assert "engine.backward(loss) or loss.backward()" in message

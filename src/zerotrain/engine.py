@@ -104,6 +104,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         with self._timers.time("forward"):
             if self.policy.param_dtype != torch.float32:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
+            if torch.is_grad_enabled():   # Note "step fingerprint" in comm/trail.py
+                self.comm.ledger.trail.note("forward", None, "engine forward")
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -124,7 +126,13 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             scaled = self.loss_scaler.scale(scaled)
             local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
             self.stage.begin_backward(boundary, local=local)
-            scaled.backward(retain_graph=retain_graph)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except Exception as exc:   # Note "a failed backward" in comm/trail.py
+                self.comm.ledger.trail.note("backward failed", None, type(exc).__name__)
+                self.stage.finish_backward()
+                self._backward_in_window = True   # ended as a backward (its gaps as zeros)
+                raise
             self.stage.finish_backward()
         self._backward_in_window = True
         if local or boundary:   # a boundary backward outside no_sync reduces them all

@@ -70,5 +70,8 @@ def reference(*, steps: int, world: int, n_experts: int, random_routes: bool,
                  for r in range(world)]
         x, route, y = (torch.cat(t) for t in zip(*parts))
         model(x, route, y).backward()
+        for p in model.parameters():   # an expert no sample reached: a zero gradient, as
+            if p.grad is None:         # every rank contributes (AdamW still decays it)
+                p.grad = torch.zeros_like(p)
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}

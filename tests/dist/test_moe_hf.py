@@ -66,3 +66,15 @@ def test_hf_moe_blocks_as_leaves_train_at_stage3_like_stage0(worlds):
                 assert leaves == [block, block], (family, case, leaves)
                 assert leaf_params > 0, (family, case)
                 assert R.max_diff(weights, base) < 1e-4, (family, case, rank)
+
+
+def test_estimate_counts_a_leaf_module_whole_as_the_largest_layer():
+    from zerotrain.estimate.models import shape_from_module
+    from zerotrain.utils import set_z3_leaf_modules
+    model = _model("mixtral")
+    block = type(model.model.layers[0].mlp)
+    before = shape_from_module(model).largest_layer_params
+    set_z3_leaf_modules(model, [block])
+    after = shape_from_module(model).largest_layer_params
+    leaf = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
+    assert after == max(before, leaf) and leaf > before

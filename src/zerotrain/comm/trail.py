@@ -14,7 +14,7 @@ Note: step fingerprint
     ranks exchange their trails (one ``all_gather_object``) so that the error shows the
     first entry where they differ. Cost per collective: one tuple and a CRC-32 of a short
     string; per step: 16 float32 elements (64 bytes) in the all-reduce. Stage 0, which has
-    no scalar all-reduce, runs one of 17 elements.
+    no scalar all-reduce, runs one of 16 elements (counted apart: ``divergence_check``).
 
 Note: a failed backward
     A rank whose backward raises has launched only part of the step's gradient reductions,

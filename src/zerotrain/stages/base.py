@@ -298,9 +298,10 @@ def _reduce_with_fingerprint(sq: torch.Tensor, comm: Communicator,
     fingerprint" in ``comm/trail.py``). Returns the squared norm."""
     trail = comm.ledger.trail
     carried = torch.tensor(trail.carried(), dtype=sq.dtype, device=sq.device)
-    wire = torch.cat([sq if sharded else torch.zeros_like(sq), carried])
-    comm.all_reduce(wire, label="gradient norm", carried=len(carried))
-    sums = wire[1:].tolist()
+    wire = torch.cat([sq, carried]) if sharded else carried
+    comm.all_reduce(wire, label="gradient norm" if sharded else "step fingerprint",
+                    carried=len(carried))
+    sums = wire[-len(carried):].tolist()
     if not trail.agreed(sums, comm.world_size):
         trails = comm.all_gather_object(list(trail.entries), label="divergence report")
         trail.restart()

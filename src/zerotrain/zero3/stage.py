@@ -255,10 +255,15 @@ class PartitionedDataParallel(BucketedStage):
 
     def memory_peaks(self) -> dict[str, int]:
         """Bytes of gathered parameters between forward and backward: when the last backward
-        began, and the highest of those so far."""
+        began, and the highest of those so far; with leaf modules, the largest leaf's full
+        parameters, which are gathered at once."""
         size = self.units[0].full.element_size() if self.units else 0
-        return {"gathered_after_forward": self.scheduler.after_forward_numel * size,
-                "peak_gathered_after_forward": self.scheduler.peak_after_forward_numel * size}
+        peaks = {"gathered_after_forward": self.scheduler.after_forward_numel * size,
+                 "peak_gathered_after_forward": self.scheduler.peak_after_forward_numel * size}
+        leaves = [u.numel for u in self.units if u.spec.leaf and not u.spec.persistent]
+        if leaves:   # a leaf is gathered whole (Note "leaf modules" in leaf.py)
+            peaks["largest_leaf_gathered"] = max(leaves) * size
+        return peaks
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         # list(): a delayed update's worker may be adding state entries meanwhile

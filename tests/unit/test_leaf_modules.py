@@ -66,3 +66,28 @@ def test_leaf_module_config_form_and_defaults():
     with pytest.raises(Exception, match="leaf_module"):
         load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
             "stage": 3, "leaf_module": {"clases": ["Block"]}}}, world_size=1)
+
+
+def test_deepspeed_utils_under_the_switch_and_accelerates_moe_route(monkeypatch):
+    from types import SimpleNamespace
+
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+    # Accelerate asks the installed deepspeed's version first; that metadata is not this
+    # test's subject
+    monkeypatch.setattr(accelerate_dataclasses, "compare_versions", lambda *a: False)
+
+    from zerotrain import as_deepspeed
+    as_deepspeed.install()
+    try:
+        import deepspeed.utils as du
+        for name in ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules",
+                     "z3_leaf_module", "z3_leaf_parameter", "set_z3_leaf_module",
+                     "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix"):
+            assert getattr(du, name) is getattr(U, name), name
+        from accelerate.utils import DeepSpeedPlugin
+        model = Net()
+        plugin = SimpleNamespace(transformer_moe_cls_names="Block")
+        DeepSpeedPlugin.set_moe_leaf_modules(plugin, model)   # what Accelerate runs
+        assert U.get_z3_leaf_modules(model) == list(model.layers)
+    finally:
+        as_deepspeed.uninstall()

@@ -49,11 +49,9 @@ class CommLedger:
         self.elements[op] += factor * numel
         self.nbytes[op] += nbytes
         self.by_reach[reach][op] += nbytes
-        if carried:
-            check_bytes = factor * carried * tensor.element_size()
+        if carried:   # not in by_reach: the volume by reach stays the ZeRO formulas'
             self.elements[CHECK] += factor * carried
-            self.nbytes[CHECK] += check_bytes
-            self.by_reach[reach][CHECK] += check_bytes
+            self.nbytes[CHECK] += factor * carried * tensor.element_size()
 
     def record_many(self, op: str, tensors: Sequence[torch.Tensor], *, calls: int,
                     reach: str = "intra_node") -> None:

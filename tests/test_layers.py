@@ -72,7 +72,8 @@ ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared 
 # imports only from rows above its own. comm: set-up and the ledger, then the Communicator
 # over them, then DeepSpeed's function API, then the package's re-exports.
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "comm": (("setup", "ledger"), ("communicator",), ("deepspeed_api",), ("__init__",)),
+    "comm": (("trail",), ("setup", "ledger"), ("communicator",), ("deepspeed_api",),
+             ("__init__",)),
 }
 
 COLLECTIVES = frozenset({

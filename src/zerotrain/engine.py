@@ -107,6 +107,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         with self._timers.time("forward"):
             if self.policy.param_dtype != torch.float32:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
+            if torch.is_grad_enabled():   # Note "step fingerprint" in comm/trail.py
+                self.comm.ledger.trail.note("forward", None, "engine forward")
             outputs = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and not self.inference_only:
             outputs = self._direct.gate(outputs)   # loss.backward() works too (its Note)
@@ -129,8 +131,13 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
                 scaled = scaled / self.gradient_accumulation_steps()
             scaled = self.loss_scaler.scale(scaled)
             self._backward_prologue()
-            with self._direct.managed():
-                scaled.backward(retain_graph=retain_graph)
+            try:
+                with self._direct.managed():
+                    scaled.backward(retain_graph=retain_graph)
+            except Exception as exc:   # Note "a failed backward" in comm/trail.py
+                self.comm.ledger.trail.note("backward failed", None, type(exc).__name__)
+                self._backward_epilogue()   # ended as a backward (its gaps as zeros)
+                raise
             self._backward_epilogue()
         return loss
 

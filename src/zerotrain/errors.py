@@ -52,3 +52,8 @@ class CollectiveError(ZeroTrainError, RuntimeError):
 
 class CheckpointError(ZeroTrainError, RuntimeError):
     """A checkpoint cannot be written or read; the message names the file, key or parameter."""
+
+
+class RankDivergenceError(RankMismatchError):
+    """Ranks took different paths through the model (different units gathered, or different
+    collectives in a step); raised on every rank at once, naming where each rank was."""

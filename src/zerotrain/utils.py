@@ -22,11 +22,18 @@ from .comm import get_rank, is_initialized
 from .dataloader import RepeatingLoader
 from .errors import StateError
 from .log import ALL_RANKS
+from .zero3.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                         set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
+                         unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 
 __all__ = ["RepeatingLoader", "convert_zero_checkpoint_to_fp32_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "log_dist", "logger",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "register_engine"]
+           "safe_set_full_fp32_param", "register_engine",
+           # stage 3's leaf modules (zero3/leaf.py), DeepSpeed 0.19's names
+           "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules",
+           "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
 
 logger = logging.getLogger("zerotrain")
 

@@ -33,8 +33,9 @@ def _volume(rank, world, stage, ga, overlap=False):
 def test_two_psi_elements_per_step(worlds, world, stage):
     for res in worlds.run(world, _volume, stage, 1):
         elements, calls = res["ledger"]["elements"], res["ledger"]["calls"]
-        if stage == 0:
-            assert elements == {"all_reduce": 2 * res["psi"] * STEPS}
+        if stage == 0:   # and each step's collective fingerprint (comm/trail.py), apart
+            assert elements == {"all_reduce": 2 * res["psi"] * STEPS,
+                                "divergence_check": 2 * 16 * STEPS}
         else:
             assert elements["reduce_scatter"] == res["padded"] * STEPS
             assert elements["all_gather"] == res["padded"] * STEPS

@@ -142,8 +142,10 @@ def test_gathers_write_into_the_units_full_buffer_without_copies(worlds):
                 assert res["written"] == res["gathered_numel"] > 0, (name, res)
                 continue
             assert len(res["launches"]) == res["gathers"], (name, res)
-            # host tensors: one launch per parameter piece of each unit gather
-            assert res["calls"] == res["pieces"] > res["gathers"], (name, res)
+            # host tensors: one launch per parameter piece of each unit gather, and one
+            # for its header (Note "gather check" in zero3/gather_check.py)
+            assert res["calls"] == res["pieces"] + res["gathers"], (name, res)
+            assert res["pieces"] > res["gathers"], (name, res)
             assert res["misplaced"] == [], (name, res)
             assert res["written"] == 0, (name, res)
         assert any("(hpZ)" in label for label in per_case["hpz"]["launches"])

@@ -144,10 +144,11 @@ class Communicator:
                     f"on {self.device}; move it there first")
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False,
-                   label: str = ""):
-        """In-place reduction of ``tensor`` over all ranks (``op``: sum, max, min, avg)."""
+                   label: str = "", carried: int = 0):
+        """In-place reduction of ``tensor`` over all ranks (``op``: sum, max, min, avg);
+        ``carried`` of its elements are a check's, counted apart in the ledger."""
         self.check_devices("all_reduce", label, tensor)
-        self.ledger.record("all_reduce", tensor, factor=2, reach=self.reach)
+        self.ledger.record("all_reduce", tensor, factor=2, reach=self.reach, carried=carried)
         return self._call("all_reduce", tensor, label, async_op, lambda: dist.all_reduce(
             tensor, op=_reduce_op(op), group=self.group, async_op=async_op))
 
@@ -161,11 +162,13 @@ class Communicator:
             output, input, group=self.group, async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                   label: str = ""):
-        """Concatenate every rank's ``input`` (``n`` elements) into ``output`` in rank order."""
+                   label: str = "", carried: int = 0):
+        """Concatenate every rank's ``input`` (``n`` elements) into ``output`` in rank order;
+        ``carried`` elements of each rank's input are a check's header (counted apart)."""
         self._check_world_sized("all_gather output", output, input)
         self.check_devices("all_gather", label, output, input)
-        self.ledger.record("all_gather", output, reach=self.reach)
+        self.ledger.record("all_gather", output, reach=self.reach,
+                           carried=carried * self.world_size)
         return self._call("all_gather", output, label, async_op, lambda: _all_gather(
             output, input, group=self.group, async_op=async_op))
 
@@ -189,12 +192,19 @@ class Communicator:
         if self.debug:   # the element count costs a pass over the outputs: debug only
             failure.elements = sum(o.numel() for o in outputs)
             logger.debug("%s", failure.what())
+        self.ledger.trail.note("all_gather", len(outputs), label)
         try:
             launches = self._gather_many(outputs, inputs)
         except Exception as exc:
             raise failure.error(exc) from exc
         self.ledger.record_many("all_gather", outputs, calls=launches.count, reach=self.reach)
         return _DescribedWork(launches, failure)
+
+    def gathers_flat(self, device: torch.device) -> bool:
+        """Whether a unit of many tensors on ``device`` is gathered as one flat all-gather
+        (a device backend, NCCL: one launch, copied out after) rather than one gather per
+        tensor in place (the host: Note "coalesced gathers"). The same on every rank."""
+        return device.type != "cpu"
 
     def _check_world_sized(self, what: str, whole: torch.Tensor, part: torch.Tensor) -> None:
         """``whole`` must hold one ``part`` per rank of the group."""
@@ -240,6 +250,7 @@ class Communicator:
     def _call(self, op: str, tensor: torch.Tensor, label: str, async_op: bool, launch):
         """Run a collective; name it in any error (Note: named failures), and with ``debug``
         log it first."""
+        self.ledger.trail.note(op, None if tensor is None else tensor.numel(), label)
         if self.debug:
             logger.debug("%s", _Failure(self, op, tensor, label).what())
         try:

@@ -20,7 +20,10 @@ from typing import Sequence
 
 import torch
 
+from .trail import CollectiveTrail
+
 REACHES = ("intra_node", "cross_node")
+CHECK = "divergence_check"   # bytes of the checks carried inside other collectives
 
 
 @dataclass
@@ -32,14 +35,23 @@ class CommLedger:
     elements: Counter = field(default_factory=Counter)
     nbytes: Counter = field(default_factory=Counter)
     by_reach: dict = field(default_factory=lambda: {r: Counter() for r in REACHES})
+    # the step's collectives in order (``trail.py``); ``reset`` leaves it alone
+    trail: CollectiveTrail = field(default_factory=CollectiveTrail)
 
     def record(self, op: str, tensor: torch.Tensor, factor: int = 1,
-               reach: str = "intra_node") -> None:
-        nbytes = factor * tensor.numel() * tensor.element_size()
+               reach: str = "intra_node", carried: int = 0) -> None:
+        """One collective over ``tensor``; ``carried`` of its elements are a divergence
+        check's (a gather's header, a step's fingerprint), counted under ``CHECK`` so that
+        ``op``'s volume stays the payload's."""
+        numel = tensor.numel() - carried
+        nbytes = factor * numel * tensor.element_size()
         self.calls[op] += 1
-        self.elements[op] += factor * tensor.numel()
+        self.elements[op] += factor * numel
         self.nbytes[op] += nbytes
         self.by_reach[reach][op] += nbytes
+        if carried:   # not in by_reach: the volume by reach stays the ZeRO formulas'
+            self.elements[CHECK] += factor * carried
+            self.nbytes[CHECK] += factor * carried * tensor.element_size()
 
     def record_many(self, op: str, tensors: Sequence[torch.Tensor], *, calls: int,
                     reach: str = "intra_node") -> None:

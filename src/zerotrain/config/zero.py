@@ -31,6 +31,27 @@ class OffloadConfig(_Section):
     trace_path: Optional[str] = None
 
 
+class LeafModuleConfig(_Section):
+    """``leaf_module``: modules stage 3 gathers whole (Note "leaf modules" in
+    ``zero3/leaf.py``). DeepSpeed 0.19's defaults: the Mixtral, Qwen2-MoE and Qwen3-MoE
+    sparse blocks, by class name; a single string is a list of one."""
+
+    classes: list[str] = Field(default_factory=lambda: [
+        "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"])
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_string(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: [v] if isinstance(v, str) and k in ("classes", "names", "name_suffixes")
+                    else v for k, v in data.items()}
+        return data
+
+
 class ZeroConfig(_Section):
     """``overlap_comm`` defaults to True at stage 3 and False below, as in DeepSpeed.
     Bucket sizes must be > 0; thresholds and distances may be 0, as in DeepSpeed."""
@@ -64,3 +85,4 @@ class ZeroConfig(_Section):
     zero_quantized_gradients: bool = False   # int4 hierarchical reduce-scatter (qgZ)
     zero_quantized_nontrainable_weights: bool = False   # frozen shards kept as int8
     mics_shard_size: int = Field(-1, ge=-1)  # shard within groups of this size, -1: off
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)

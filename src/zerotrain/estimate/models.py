@@ -180,13 +180,16 @@ def _shape_fields(model: Any) -> dict:
 
 def shape_from_module(model: Any, description: str = "module") -> ModelShape:
     """Count an ``nn.Module`` as DeepSpeed's ``model_to_params`` does: shared parameters once,
-    and the largest layer = the most parameters any one module holds directly."""
+    and the largest layer = the most parameters any one module holds directly, or a stage-3
+    leaf module (``_z3_leaf``, Note "leaf modules" in ``zero3/leaf.py``) holds in all: a
+    leaf is gathered whole, so it is the window stage 3 needs at once."""
     seen: dict[Any, int] = {}
     for param in model.parameters():  # parameters() already skips repeated Parameter objects
         key = id(param) if param.device.type == "meta" else param.data_ptr()
         seen[key] = param.numel()
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-                  default=0)
+    largest = max((sum(p.numel() for p in m.parameters(recurse=bool(getattr(m, "_z3_leaf",
+                                                                          False))))
+                   for m in model.modules()), default=0)
     return ModelShape(sum(seen.values()), largest, description=description,
                       **_shape_fields(model))
 

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..errors import StateError
+from ..comm.trail import first_difference
+from ..errors import RankDivergenceError, StateError
 from ..flat import Block
 from ..offload import CopyLedger, Gradients
 from ..offload.traffic import HostTraffic
@@ -298,8 +299,8 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
         part = squares.get(i)
         sq += part if part is not None else torch.linalg.vector_norm(
             shard, dtype=torch.float32).square()
-    if sharded:
-        comm.all_reduce(sq, label="gradient norm")
+    if comm.world_size > 1:   # stage 0 too: the norm's all-reduce carries the fingerprint
+        sq = _reduce_with_fingerprint(sq, comm, sharded)
     norm = float(sq.sqrt().item()) / world / grad_scale
     if not math.isfinite(norm):
         return StepOutcome(False, norm, _nonfinite_names(records, summed, comm, sharded))
@@ -309,6 +310,31 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
     wire = list(wire) or [shard.dtype for shard in summed]
     return PreparedGradients(Gradients(list(summed), wire, world, coef, 1.0 / grad_scale),
                              norm)
+
+
+def _reduce_with_fingerprint(sq: torch.Tensor, comm: Communicator,
+                             sharded: bool) -> torch.Tensor:
+    """All-reduce the squared norm (only its own when not ``sharded``: stage 0 sums full
+    gradients already) with the step's collective fingerprint beside it; raise
+    RankDivergenceError on every rank when the ranks' fingerprints differ (Note "step
+    fingerprint" in ``comm/trail.py``). Returns the squared norm."""
+    trail = comm.ledger.trail
+    carried = torch.tensor(trail.carried(), dtype=sq.dtype, device=sq.device)
+    wire = torch.cat([sq, carried]) if sharded else carried
+    comm.all_reduce(wire, label="gradient norm" if sharded else "step fingerprint",
+                    carried=len(carried))
+    sums = wire[-len(carried):].tolist()
+    if not trail.agreed(sums, comm.world_size):
+        trails = comm.all_gather_object(list(trail.entries), label="divergence report")
+        trail.restart()
+        raise RankDivergenceError(
+            f"rank {comm.rank}: the ranks made different collectives in this step "
+            f"({first_difference(trails)}). A rank took another path: a forward on some "
+            "ranks only, an exception caught in the middle of backward, a module or "
+            "engine call skipped on one rank. Every rank must run the same forwards, "
+            "backwards and steps; see \"Ranks that take different paths\" in the README")
+    trail.restart()
+    return wire[:1] if sharded else sq
 
 
 def _nonfinite_names(records: Sequence[ShardRecord], grads: Sequence[torch.Tensor],

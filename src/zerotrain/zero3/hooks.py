@@ -58,7 +58,7 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -79,9 +79,11 @@ class GatherPolicy:
 
 
 class UnitScheduler:
-    def __init__(self, units: list[Unit], policy: GatherPolicy) -> None:
+    def __init__(self, units: list[Unit], policy: GatherPolicy,
+                 on_pass: Optional[Callable[[], None]] = None) -> None:
         self.units = units
         self.policy = policy
+        self._on_pass = on_pass   # told when a pass starts (the gather check counts them)
         self._trace: Optional[list[int]] = None
         self._recording: list[int] = []
         self._trace_forward = 0       # how many of the trace's entries are its forward's
@@ -107,6 +109,8 @@ class UnitScheduler:
     def begin_pass(self) -> None:
         """A forward of the whole model starts: adopt the last pass's order as the trace, and
         let go of units kept for a backward that never came (a forward without backward)."""
+        if self._on_pass is not None:
+            self._on_pass()
         for index in sorted(self._kept):
             self._let_go(index)
         self._kept.clear()

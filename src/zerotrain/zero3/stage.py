@@ -39,6 +39,7 @@ from .hierarchical import build_groups
 from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
 from .init import GatheredParameters
+from .leaf import apply_leaf_module_config
 from .unit import GroupSlice, Unit
 from .unit_specs import build_units
 
@@ -64,6 +65,7 @@ class PartitionedDataParallel(BucketedStage):
                                               for p in ps}
         names = {id(p): n for n, p in module.named_parameters()}
         device = _device_of(module)
+        apply_leaf_module_config(module, zero_config.leaf_module.model_dump())
         specs = build_units(module, unit_numel=int(zero_config.stage3_prefetch_bucket_size),
                             persistence_threshold=int(
                                 zero_config.stage3_param_persistence_threshold))
@@ -98,7 +100,9 @@ class PartitionedDataParallel(BucketedStage):
         self.scheduler = UnitScheduler(self.units, GatherPolicy(
             prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
             max_live_numel=int(zero_config.stage3_max_live_parameters),
-            max_reuse_distance=int(zero_config.stage3_max_reuse_distance)))
+            max_reuse_distance=int(zero_config.stage3_max_reuse_distance)),
+            on_pass=self.wire.check.begin_pass)
+        self.wire.check.describe_units_with(self._describe_unit)
         self._handles = install_module_hooks(module, self.units, self.scheduler)
         _mark_lockstep(module, True)
         self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))
@@ -106,6 +110,14 @@ class PartitionedDataParallel(BucketedStage):
             for index, i in enumerate(s.indices):
                 hook = functools.partial(self._on_grad, r, index, unit)
                 self._handles.append(unit.spec.params[i].register_post_accumulate_grad_hook(hook))
+
+    def _describe_unit(self, index: int) -> str:
+        """``unit 3 (module 'moe.experts.1', Linear)`` for the gather check's errors."""
+        if not 0 <= index < len(self.units):
+            return f"unit {index} (no such unit here)"
+        spec = self.units[index].spec
+        kind = "leaf module" if spec.leaf else "module"
+        return f"unit {index} ({kind} {spec.name or '<root>'!r}, {type(spec.module).__name__})"
 
     def _on_grad(self, record: int, index: int, unit: Unit, param: nn.Parameter) -> None:
         if param.grad is None:
@@ -243,10 +255,15 @@ class PartitionedDataParallel(BucketedStage):
 
     def memory_peaks(self) -> dict[str, int]:
         """Bytes of gathered parameters between forward and backward: when the last backward
-        began, and the highest of those so far."""
+        began, and the highest of those so far; with leaf modules, the largest leaf's full
+        parameters, which are gathered at once."""
         size = self.units[0].full.element_size() if self.units else 0
-        return {"gathered_after_forward": self.scheduler.after_forward_numel * size,
-                "peak_gathered_after_forward": self.scheduler.peak_after_forward_numel * size}
+        peaks = {"gathered_after_forward": self.scheduler.after_forward_numel * size,
+                 "peak_gathered_after_forward": self.scheduler.peak_after_forward_numel * size}
+        leaves = [u.numel for u in self.units if u.spec.leaf and not u.spec.persistent]
+        if leaves:   # a leaf is gathered whole (Note "leaf modules" in leaf.py)
+            peaks["largest_leaf_gathered"] = max(leaves) * size
+        return peaks
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         # list(): a delayed update's worker may be adding state entries meanwhile

@@ -12,6 +12,10 @@ Note: units
     Parameters smaller than the persistence threshold are not gathered per use: they form a
     persistent unit beside their unit, kept whole on every rank. Frozen parameters belong to
     no unit: they stay whole and replicated, like buffers.
+
+    A leaf module (``leaf.py``, Note: leaf modules) is a unit, and nothing under it starts
+    one: not the children of an ``nn.ModuleList`` inside it (its experts), nor a module
+    past ``unit_numel``.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .leaf import z3_leaf_module
 from .partition import full_numel
 
 
@@ -33,19 +38,33 @@ class UnitSpec:
     params: list[nn.Parameter] = field(default_factory=list)
     deps: set[int] = field(default_factory=set)
     persistent: bool = False
+    leaf: bool = False             # rooted at a leaf module (Note: leaf modules)
 
     @property
     def numel(self) -> int:
         return sum(full_numel(p) for p in self.params)
 
 
+def inside_leaves(root: nn.Module) -> set[nn.Module]:
+    """Modules strictly under a leaf module (Note: units): none of them starts a unit."""
+    inside: set[nn.Module] = set()
+    for module in root.modules():
+        if module not in inside and module is not root and z3_leaf_module(module):
+            inside.update(list(module.modules())[1:])
+    return inside
+
+
 def _unit_roots(root: nn.Module, unit_numel: int) -> dict[nn.Module, str]:
     """Modules that start a unit, by module path, chosen bottom-up."""
     roots: dict[nn.Module, str] = {root: ""}
+    inside = inside_leaves(root)
     for _, module in root.named_modules():
-        if isinstance(module, nn.ModuleList):
+        if z3_leaf_module(module) and module not in inside:
+            roots.setdefault(module, "")
+        if isinstance(module, nn.ModuleList) and module not in inside:
             for child_name, child in module.named_children():
-                roots.setdefault(child, "")
+                if child not in inside:
+                    roots.setdefault(child, "")
     names = {m: n for n, m in root.named_modules()}
     for module in roots:
         roots[module] = names[module]
@@ -61,7 +80,8 @@ def _unit_roots(root: nn.Module, unit_numel: int) -> dict[nn.Module, str]:
                 claimed.add(id(p))
                 own += full_numel(p)
         total += own
-        if module is not root and (module in roots or total >= unit_numel):
+        if module is not root and module not in inside and (
+                module in roots or total >= unit_numel):
             roots[module] = names[module]
             return 0
         return total
@@ -78,8 +98,9 @@ def build_units(root: nn.Module, *, unit_numel: int, persistence_threshold: int)
     owner: dict[int, UnitSpec] = {}
 
     def open_units(module: nn.Module, name: str) -> tuple[UnitSpec, UnitSpec]:
-        main = UnitSpec(len(units), name, module)
-        keep = UnitSpec(len(units) + 1, name, module, persistent=True)
+        leaf = module is not root and z3_leaf_module(module)
+        main = UnitSpec(len(units), name, module, leaf=leaf)
+        keep = UnitSpec(len(units) + 1, name, module, persistent=True, leaf=leaf)
         units.extend([main, keep])
         return main, keep
 
@@ -109,6 +130,10 @@ def build_units(root: nn.Module, *, unit_numel: int, persistence_threshold: int)
                                  "that is not part of the model given to initialize")
             if unit is not main and not unit.persistent:
                 main.deps.add(unit.index)
+    for spec in units:   # DeepSpeed's mark, read by z3_leaf_parameter
+        if spec.leaf:
+            for p in spec.params:
+                p.ds_z3_leaf_module = spec.module
     # a unit without parameters of its own still matters when it gathers others for its modules
     return _renumber([u for u in units if u.params or u.deps])
 

@@ -19,9 +19,11 @@ Note: gathering in place
     order, are ``p`` itself followed by its zero padding. So each parameter is all-gathered
     on its own, straight into its segment of the unit's ``full`` buffer (``unit.py``,
     Note: unit tensors), and all of a unit's gathers go out as one launch on a GPU
-    (``Communicator.all_gather_into_many``; on the host one launch each, Note "coalesced
-    gathers" there). Nothing is copied after the gather: the
-    parameters' views read the values where the collective wrote them. The same holds for
+    (on the host one launch each, Note "coalesced gathers" in ``comm/communicator.py``).
+    Nothing is copied after those gathers: the parameters' views read the values where the
+    collective wrote them. Two exceptions carry the gather check's header (Note "gather
+    check" in ``gather_check.py``): on a device the whole unit is one flat gather copied
+    out after; on the host a header-only gather goes first. The same holds for
     the secondary partition (its chunks have the same structure over H ranks). Only qwZ
     copies: its int8 rows have to be decoded anyway, and the decoded values are written
     into the views (``DequantizingGathering``). So do frozen parameters kept as int8
@@ -41,6 +43,7 @@ import torch
 from ..comm import Communicator
 from ..flat import FlatLayout
 from ..hierarchy import PendingGather, QuantizedAllGather
+from .gather_check import GatherCheck, start_checked
 
 NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one launch
 
@@ -52,18 +55,6 @@ class GatherSlice:
     indices: list[int]        # positions in the unit's parameter list
     layout: FlatLayout
     column: int
-
-
-class InPlaceGathering:
-    """A unit's gathers in flight, writing into its parameters' segments of ``full``;
-    ``wait()`` leaves the full values there (Note: gathering in place)."""
-
-    def __init__(self, work) -> None:
-        self._work = work
-
-    def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
 
 
 class DequantizingGathering:
@@ -160,6 +151,7 @@ class UnitWire:
     def __init__(self, comm: Communicator, *, quantized: bool = False) -> None:
         self.comm = comm
         self._quantized = QuantizedAllGather(comm) if quantized else None
+        self.check = GatherCheck()   # Note "gather check" in gather_check.py
 
     def padded_numel(self, numel: int) -> int:
         """Elements of a parameter's segment of ``full``: room for every gather this wire
@@ -179,8 +171,8 @@ class UnitWire:
                 else:
                     outputs, inputs = gather_pieces(unit.slices, unit.segments, shard,
                                                     self.comm.world_size)
-                    parts.append(InPlaceGathering(self.comm.all_gather_into_many(
-                        outputs, inputs, label=label)))
+                    parts.extend(start_checked(self.comm, self.check, unit.spec.index, shard,
+                                               outputs, inputs, label=label))
         return self._with_frozen(parts, unit, label)
 
     def _with_frozen(self, parts: list, unit, label: str) -> Gatherings:
@@ -239,8 +231,8 @@ class SecondaryPartitionWire(UnitWire):
             return super().start(unit, label=label)
         outputs, inputs = gather_pieces(kept.slices, unit.segments, kept.shard,
                                         self.secondary.world_size)
-        parts = [InPlaceGathering(self.secondary.all_gather_into_many(
-            outputs, inputs, label=f"{label} (hpZ)"))] if outputs else []
+        parts = start_checked(self.secondary, self.check, unit.spec.index, kept.shard,
+                              outputs, inputs, label=f"{label} (hpZ)")
         return self._with_frozen(parts, unit, label)   # int8 frozen: primary partition
 
     def gathered(self, unit, views: Sequence[torch.Tensor]) -> None:

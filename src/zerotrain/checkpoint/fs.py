@@ -175,7 +175,7 @@ def lock(save_dir: str) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _holder(fd)
             os.close(fd)
             if exc.errno not in (errno.EAGAIN, errno.EACCES):   # no locks on this filesystem
                 logger.warning("cannot lock %s (%s): saving without the one-save-at-a-time "
@@ -190,6 +190,25 @@ def lock(save_dir: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _held_locks[os.path.realpath(save_dir)] = (fd, path)
+
+
+def _holder(fd: int) -> str:
+    """The pid of the process holding the lock on ``fd``'s file: what it wrote there, else
+    (it took the lock and has not written yet) the kernel's record in /proc/locks."""
+    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    if written:
+        return written
+    info = os.fstat(fd)
+    inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if "FLOCK" in fields and inode in fields and "->" not in fields:
+                    return fields[fields.index(inode) - 1]
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _same_file(fd: int, path: str) -> bool:

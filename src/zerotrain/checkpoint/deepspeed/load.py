@@ -262,13 +262,13 @@ def _agree(state: TrainingState, failure: Optional[BaseException], path: str, *,
         first, same = int(flag[0]), int(flag[1]) == -int(flag[2])
     if failure is not None:
         raise failure
+    if first < comm.world_size:
+        raise CheckpointError(f"rank {first} could not read DeepSpeed checkpoint {path} (its "
+                              "error is in its log); the model was not updated")
     if not same:
         raise CheckpointError(f"ranks read different saves of DeepSpeed checkpoint {path} "
                               "(it was saved again while they loaded it); the model was not "
                               "updated")
-    if first < comm.world_size:
-        raise CheckpointError(f"rank {first} could not read DeepSpeed checkpoint {path} (its "
-                              "error is in its log); the model was not updated")
 
 
 def _staged_hyperparameters(state: TrainingState, ckpt: DeepSpeedCheckpoint) -> list[dict]:

@@ -2,7 +2,6 @@
 what ``torch.load(weights_only=True)`` does on the same bytes (where it refuses at once, so
 must we). Run without a process group; the loads through an engine are in
 tests/dist/test_hostile_state.py."""
-import json
 import os
 import shutil
 import signal

@@ -41,7 +41,6 @@ import os
 import secrets
 import shutil
 import signal
-import stat
 from typing import Callable, Optional
 
 from .manifest import (LATEST_NAME, MANIFEST_MAX_BYTES, MANIFEST_NAME, CheckpointError,

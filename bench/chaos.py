@@ -9,8 +9,8 @@ itself at a random step):
 - ``stop``: SIGSTOP of a rank (its peer times out in its next collective, after
   ``comms_timeout``; torchrun then kills both);
 - ``disk_full``: one rank's checkpoint writes go to /dev/full (ENOSPC) during a save;
-- ``crash_save``: a rank SIGKILLs itself inside a save (after its first file, between the
-  renames of a re-saved tag, or before ``latest`` is rewritten);
+- ``crash_save``: a rank SIGKILLs itself inside a save (after its first file is written,
+  or rank 0 after the tag is renamed into place and before ``latest`` is rewritten);
 - ``truncate`` / ``corrupt``: rank 0 truncates a shard of the newest published tag, or
   overwrites its ``manifest.json`` with garbage, then SIGKILLs itself (the damage a next
   start finds). Flipped bits inside tensor data are not among them: the format keeps no
@@ -77,6 +77,9 @@ def worker(args: argparse.Namespace) -> None:
     with open(args.plan, encoding="utf-8") as f:
         plan = json.load(f)
     fault = plan[attempt] if attempt < len(plan) else None
+    if fault is not None and fault["kind"] == "crash_save" and fault["point"] != "file":
+        # only rank 0 renames and rewrites ``latest``; a fresh tag is never swapped
+        fault = dict(fault, point="latest", rank=0)
     mine = fault is not None and fault["rank"] == rank
     if mine and fault["kind"] == "crash_save":
         os.environ["ZEROTRAIN_CHECKPOINT_CRASH_AT"] = fault["point"]
@@ -138,7 +141,7 @@ def _plan(rng: random.Random, faults: int, kinds: list[str], steps: int) -> list
         else:   # at a save
             fault["step"] = rng.randrange(1, steps // SAVE_EVERY + 1) * SAVE_EVERY
         if kind == "crash_save":
-            fault["point"] = rng.choice(["file", "swap", "latest"])
+            fault["point"] = rng.choice(["file", "latest"])
         plan.append(fault)
     return plan
 
@@ -221,7 +224,13 @@ def main(argv=None) -> int:
         if args.deadline and time.perf_counter() - started > args.deadline:
             break
         plan = _plan(rng, min(args.per_job, args.faults - total["faults"]), kinds, args.steps)
-        job = _job(args.out, f"job{total['jobs']}", plan, args)
+        try:
+            job = _job(args.out, f"job{total['jobs']}", plan, args)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:   # reported, not hidden
+            total["jobs"] += 1
+            total.setdefault("failed_jobs", []).append({"plan": plan, "error": str(exc)[-2000:]})
+            print(f"job {total['jobs']} FAILED: {str(exc)[-2000:]}", flush=True)
+            continue
         got = torch.load(job["final"], weights_only=True)
         same = sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k])
                                                        for k in expected)
@@ -239,7 +248,8 @@ def main(argv=None) -> int:
               f"{job['seconds']:.1f} s", flush=True)
         shutil.rmtree(job["root"], ignore_errors=True)
     total["wall_s"] = round(time.perf_counter() - started, 1)
-    total["ok"] = total["mismatched_jobs"] == 0 and not total["lost"]
+    total["ok"] = total["mismatched_jobs"] == 0 and not total["lost"] and \
+        not total.get("failed_jobs")
     print(json.dumps(total))
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:

@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         _event(args.events, event="resume", attempt=attempt, step=start)
     if fault is not None:   # planned before the resume point: at the first chance after it
-        at = max(fault["step"], start + (1 if fault["kind"] in ("kill", "stop") else 0))
+        at = max(fault["step"], start + 1)   # the resume point's own save is not redone
         fault = dict(fault, step=at if fault["kind"] in ("kill", "stop") else
                      -(-at // SAVE_EVERY) * SAVE_EVERY)
     for step in range(start, args.steps):

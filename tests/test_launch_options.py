@@ -11,6 +11,7 @@ def torchrun(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.distributed.run, "main", lambda argv: seen.append(argv))
     monkeypatch.delenv("ZEROTRAIN_AUTO_RESUME", raising=False)
+    monkeypatch.delenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER", raising=False)
     return seen
 
 
@@ -36,3 +37,30 @@ def test_auto_resume_without_a_directory_is_an_error(torchrun, capsys):
     assert "--auto-resume needs a checkpoint directory" in capsys.readouterr().err
     assert main(["launch", "--nproc_per_node", "2", "--auto-resume"]) == 2
     assert torchrun == [["train.py", "--auto-resume"]]
+
+
+def test_everything_after_the_script_is_the_scripts_verbatim(torchrun):
+    """``--`` and a prefix of our options (``--a``) after the script are the script's: with
+    --as-deepspeed the switch still runs it, and argparse never sees them."""
+    assert main(["launch", "--as-deepspeed", "--nproc_per_node", "2", "train.py", "A", "--",
+                 "B", "--a"]) == 0
+    assert torchrun[-1] == ["--nproc_per_node", "2", "-m", "zerotrain.as_deepspeed",
+                            "train.py", "A", "--", "B", "--a"]
+    assert main(["launch", "train.py", "--a", "--as"]) == 0
+    assert torchrun[-1] == ["train.py", "--a", "--as"]
+
+
+def test_auto_resume_is_for_the_launchers_children_only(torchrun, monkeypatch):
+    """A job the training script starts inherits the variables but is not a child of the
+    launcher: it does not resume from the script's checkpoints."""
+    import os
+
+    from zerotrain.initialize import _launched_auto_resume
+    assert main(["launch", "--auto-resume", "ckpt", "train.py"]) == 0
+    assert os.environ["ZEROTRAIN_AUTO_RESUME_LAUNCHER"] == str(os.getpid())
+    monkeypatch.setenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER", str(os.getppid()))
+    assert _launched_auto_resume() == "ckpt"           # a torchrun worker
+    monkeypatch.setenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER", str(os.getppid() + 1))
+    assert _launched_auto_resume() is None             # the script's own helper job
+    monkeypatch.delenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER")
+    assert _launched_auto_resume() == "ckpt"           # set by hand: honoured

@@ -36,7 +36,7 @@ PACKAGE = "zerotrain"
 # Add a new module here, in one place.
 ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
-    (("errors",), ("config", "flat", "estimate", "topology", "unsupported", "quantize"),
+    (("errors",), ("untrusted",), ("config", "flat", "estimate", "topology", "unsupported", "quantize"),
      ("moe", "pipe", "records")),
     # 2. process-level services
     (("teardown",), ("comm", "memory", "precision", "log", "timers", "throughput", "accelerator")),
@@ -56,7 +56,7 @@ PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
     {("__init__", "cli", "launch", "demo", "__main__")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
-NO_TORCH: frozenset[str] = frozenset({"config"})
+NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
 # The one package allowed to call collectives, and who may import the engine.
 COMM_MODULE = "comm"
 ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli"})

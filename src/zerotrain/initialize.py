@@ -159,6 +159,19 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
 # ---------------------------------------------------------------------- helpers
 AUTO_RESUME_ENV = "ZEROTRAIN_AUTO_RESUME"  # set by `zerotrain launch --auto-resume DIR`
+AUTO_RESUME_LAUNCHER_ENV = "ZEROTRAIN_AUTO_RESUME_LAUNCHER"   # the launcher's pid
+
+
+def _launched_auto_resume() -> Optional[str]:
+    """``ZEROTRAIN_AUTO_RESUME`` when it is meant for this process: set by hand (no
+    launcher pid beside it), or by ``zerotrain launch`` whose direct child (a torchrun
+    worker) this is. A job the training script starts inherits the variables but has
+    another parent, so it does not resume from the script's checkpoints."""
+    directory = os.environ.get(AUTO_RESUME_ENV)
+    launcher = os.environ.get(AUTO_RESUME_LAUNCHER_ENV)
+    if directory and launcher is not None and launcher != str(os.getppid()):
+        return None
+    return directory
 
 
 def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
@@ -169,7 +182,7 @@ def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
     DeepSpeed's ``global_stepN`` by N. Each tag skipped is named in a warning. With
     checkpoints present and none loadable it raises rather than start over from step 0
     (and later overwrite them)."""
-    directory = cfg.checkpoint.auto_resume or os.environ.get(AUTO_RESUME_ENV)
+    directory = cfg.checkpoint.auto_resume or _launched_auto_resume()
     if directory and is_deepspeed_tag_dir(directory):   # global_stepN/ itself: say so
         raise ConfigError("checkpoint.auto_resume", f"{directory} is one tag of a DeepSpeed "
                           "checkpoint; give the save directory that holds it and its "

@@ -114,11 +114,19 @@ def load(manifest: dict, tag_dir: str) -> dict:
     """``client_state`` as it was saved (tensors on the CPU); {} when none was saved."""
     saved = manifest.get("client_state") or {}
     name: Optional[str] = manifest.get("client_state_file")
-    if name is None:
-        return decode(saved, _no_tensors(tag_dir))
-    safe_file(tag_dir, name, what=f"{tag_dir} manifest client_state_file")
-    with Reader(tag_dir, on_open=file_identity_check(manifest, tag_dir)) as reader:
-        return decode(saved, lambda key: reader.read(name, key))
+    try:
+        if name is None:
+            return decode(saved, _no_tensors(tag_dir))
+        safe_file(tag_dir, name, what=f"{tag_dir} manifest client_state_file")
+        with Reader(tag_dir, on_open=file_identity_check(manifest, tag_dir)) as reader:
+            return decode(saved, lambda key: reader.read(name, key))
+    except CheckpointError as exc:
+        if tag_dir in str(exc):
+            raise
+        raise CheckpointError(f"checkpoint {tag_dir}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:   # a tagged value missing its fields
+        raise CheckpointError(f"checkpoint {tag_dir}: client_state holds a malformed tagged "
+                              f"value ({type(exc).__name__}: {exc})") from None
 
 
 def _no_tensors(tag_dir: str) -> Callable[[str], torch.Tensor]:

@@ -41,10 +41,10 @@ import os
 import secrets
 import shutil
 import signal
-import stat
 from typing import Callable, Optional
 
-from .manifest import LATEST_NAME, MANIFEST_NAME, CheckpointError, check_tag
+from .manifest import (LATEST_NAME, MANIFEST_MAX_BYTES, MANIFEST_NAME, CheckpointError,
+                       check_tag, read_regular_file)
 from .stfile import fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -76,26 +76,13 @@ def read_latest_text(save_dir: str) -> Optional[str]:
 
     Only a regular file of at most :data:`LATEST_MAX_BYTES` bytes of UTF-8 is read: a FIFO,
     a device such as ``/dev/zero`` or a huge file raises CheckpointError instead of hanging
-    or exhausting memory (opened non-blocking, checked with ``fstat`` before reading).
+    or exhausting memory (:func:`read_regular_file`).
     """
     path = os.path.join(save_dir, LATEST_NAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except (FileNotFoundError, NotADirectoryError):
+        data = read_regular_file(path, what="'latest' file", max_bytes=LATEST_MAX_BYTES)
+    except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{path} is not a regular file; 'latest' holds the name of "
-                                  "a checkpoint tag")
-        data = os.read(fd, LATEST_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > LATEST_MAX_BYTES:
-        raise CheckpointError(f"{path} is longer than {LATEST_MAX_BYTES} bytes; 'latest' holds "
-                              "the name of a checkpoint tag")
     try:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -148,10 +135,11 @@ def resume_candidates(save_dir: str, *,
 
 
 def _global_steps(tag_path: str) -> Optional[int]:
-    try:
-        with open(os.path.join(tag_path, MANIFEST_NAME), encoding="utf-8") as f:
-            steps = json.load(f)["counters"]["global_steps"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    try:   # bounded and non-blocking: a FIFO or /dev/zero here is just not a candidate
+        data = read_regular_file(os.path.join(tag_path, MANIFEST_NAME), what="manifest",
+                                 max_bytes=MANIFEST_MAX_BYTES)
+        steps = json.loads(data)["counters"]["global_steps"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, CheckpointError):
         return None
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
@@ -186,7 +174,7 @@ def lock(save_dir: str) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _holder(fd)
             os.close(fd)
             if exc.errno not in (errno.EAGAIN, errno.EACCES):   # no locks on this filesystem
                 logger.warning("cannot lock %s (%s): saving without the one-save-at-a-time "
@@ -201,6 +189,25 @@ def lock(save_dir: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _held_locks[os.path.realpath(save_dir)] = (fd, path)
+
+
+def _holder(fd: int) -> str:
+    """The pid of the process holding the lock on ``fd``'s file: what it wrote there, else
+    (it took the lock and has not written yet) the kernel's record in /proc/locks."""
+    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    if written:
+        return written
+    info = os.fstat(fd)
+    inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if "FLOCK" in fields and inode in fields and "->" not in fields:
+                    return fields[fields.index(inode) - 1]
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _same_file(fd: int, path: str) -> bool:

@@ -20,7 +20,6 @@ Nothing is unpickled: tensors come from ``safetensors.safe_open``, the rest from
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,8 +29,10 @@ import torch
 
 from ..records import FROZEN
 from . import client_state, deepspeed, fs, rng
-from .manifest import CheckpointError, file_identity_check, read_manifest
-from .match import check_group_values, check_groups, check_model
+from .manifest import (LATEST_NAME, CheckpointError, check_tag, file_identity_check,
+                       read_manifest, save_identity)
+from .match import (check_data_loader, check_group_values, check_groups, check_loss_scaler,
+                    check_model, check_scheduler)
 from .reshard import SourceIndex, target_range
 from .staging import commit_tensors, state_target
 from .state import COUNTERS, CheckpointReport, LoadResult, TrainingState, shard_rank
@@ -50,10 +51,12 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     the training state changes until every rank has read and checked everything (Note:
     stage, agree, commit); a load that raises leaves every tensor as it was.
     """
-    deepspeed_path = deepspeed.find_tag_dir(load_dir, tag)
-    if deepspeed_path is not None:   # a DeepSpeed ZeRO checkpoint (docs/from-deepspeed.md)
+    latest, is_deepspeed = _agreed_source(state.comm, load_dir, tag)
+    if is_deepspeed:   # a DeepSpeed ZeRO checkpoint (docs/from-deepspeed.md)
+        named = tag if tag is not None else latest
         return deepspeed.load_deepspeed_checkpoint(
-            state, deepspeed_path, load_optimizer_states=load_optimizer_states,
+            state, deepspeed.find_tag_dir(load_dir, named) or os.path.join(load_dir, named),
+            load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     start = time.perf_counter()
     with_optimizer = load_optimizer_states and not load_module_only
@@ -61,14 +64,17 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     staged: Optional[_Staged] = None
     failure: Optional[BaseException] = None
     try:
-        path = _resolve(load_dir, tag)
+        if isinstance(latest, CheckpointError):
+            raise latest
+        path = _resolve(load_dir, tag, latest)
         if path is not None:
             staged = _stage(state, path, with_optimizer=with_optimizer,
                             with_small=not load_module_only,
                             with_scheduler=load_lr_scheduler_states)
     except Exception as exc:  # noqa: BLE001 - re-raised after every rank agrees
         failure = exc
-    _agree(state.comm, failure, found=path is not None, where=path or load_dir)
+    _agree(state.comm, failure, found=path is not None, where=path or load_dir,
+           identity=_save_identity(staged))
     if staged is None:
         return LoadResult(None, None)
     _commit(state, staged)
@@ -136,7 +142,43 @@ def _commit(state: TrainingState, staged: _Staged) -> None:
         rng.restore(*staged.rng)
 
 
-def _resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
+# Note: one tag for every rank
+#     ``latest`` is read once, by rank 0, and its text sent to every rank before anything is
+#     staged: were each rank to read it, a save finishing in between would have rank 0 load
+#     step 2 and rank 1 step 4. A tag re-saved in place between ranks' reads is caught by the
+#     agreement, which compares a hash of each rank's ``save_id`` (DeepSpeed's format: of
+#     its step counters and file sizes) and refuses a mix.
+def _agreed_source(comm, load_dir: str, tag: Optional[str]) -> tuple[Any, bool]:
+    """(the text of ``load_dir/latest`` when ``tag`` is None: None for no directory or no
+    file, a CheckpointError when it cannot be read; whether the tag is DeepSpeed's), as rank
+    0 found them, the same on every rank (Note: one tag for every rank)."""
+    value: Any = None
+    is_deepspeed = False
+    if comm.rank == 0:
+        try:
+            if tag is None:
+                value = fs.read_latest_text(load_dir) if os.path.isdir(load_dir) else None
+            named = tag if tag is not None else value
+            is_deepspeed = named is not None and \
+                deepspeed.find_tag_dir(load_dir, named) is not None
+        except CheckpointError as exc:
+            value = exc
+    if comm.world_size > 1:
+        failed = isinstance(value, CheckpointError)
+        got = comm.all_gather_object((failed, str(value) if failed else value, is_deepspeed),
+                                     label="checkpoint load: which tag every rank loads")[0]
+        value = CheckpointError(got[1]) if got[0] else got[1]
+        is_deepspeed = got[2]
+    return value, is_deepspeed
+
+
+def _save_identity(staged: Optional["_Staged"]) -> int:
+    if staged is None:
+        return 0
+    return save_identity(str(staged.manifest.get("save_id") or staged.manifest["counters"]))
+
+
+def _resolve(load_dir: str, tag: Optional[str], latest: Optional[str]) -> Optional[str]:
     if tag is not None:
         found = fs.tag_dir(load_dir, tag)
         if found is None:
@@ -146,7 +188,11 @@ def _resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
     if not os.path.isdir(load_dir):
         logger.warning("no checkpoint directory %s; nothing loaded", load_dir)
         return None
-    latest = fs.read_latest(load_dir)
+    if latest is not None:
+        try:
+            latest = check_tag(latest)
+        except CheckpointError as exc:   # say which file named it (an empty or edited latest)
+            raise CheckpointError(f"{os.path.join(load_dir, LATEST_NAME)}: {exc}") from None
     if latest is None:
         logger.warning("no 'latest' file in %s; pass tag= to load a specific checkpoint. "
                        "Nothing loaded", load_dir)
@@ -263,14 +309,19 @@ def _read_rng(manifest: dict, reader: Reader, comm) -> Optional[tuple]:
     return tensors, meta
 
 
-def _agree(comm, failure: Optional[BaseException], *, found: bool, where: str) -> None:
-    """One all-reduce (min of: the first failing rank, found, -found): every rank raises, or
-    none does, and all agree whether there is a checkpoint to load."""
+def _agree(comm, failure: Optional[BaseException], *, found: bool, where: str,
+           identity: int = 0) -> None:
+    """One all-reduce (min of: the first failing rank, found, -found, the save identity and
+    its negation): every rank raises, or none does, all agree whether there is a checkpoint
+    to load, and all staged the same save (Note: one tag for every rank)."""
+    same = True
     if comm.world_size > 1:
         flags = torch.tensor([comm.rank if failure else comm.world_size, int(found),
-                              -int(found)], device=comm.device)
+                              -int(found), identity, -identity], dtype=torch.int64,
+                             device=comm.device)
         comm.all_reduce(flags, op="min", label="checkpoint load: agreement")
         first, all_found, any_found = int(flags[0]), int(flags[1]), -int(flags[2])
+        same = int(flags[3]) == -int(flags[4])
     else:
         first, all_found, any_found = (0 if failure else 1), int(found), int(found)
     if isinstance(failure, CheckpointError):
@@ -281,6 +332,10 @@ def _agree(comm, failure: Optional[BaseException], *, found: bool, where: str) -
     if first < comm.world_size:
         raise CheckpointError(f"rank {first} could not read checkpoint {where} (its error is "
                               "in its log); nothing was loaded, the training state is unchanged")
+    if not same:
+        raise CheckpointError(f"ranks read different saves of {where} (it was saved again "
+                              "while they loaded it); nothing was loaded, the training state "
+                              "is unchanged")
     if all_found != any_found:
         raise CheckpointError(f"ranks disagree on whether {where} holds a checkpoint (is the "
                               "directory on storage every rank sees?); nothing was loaded")
@@ -296,37 +351,20 @@ def _check_small(state: TrainingState, manifest: dict, *, with_optimizer: bool,
         small["param_groups"] = check_group_values(
             manifest["optimizer"]["param_groups"], state.optimizer.param_groups, path)
         if state.loss_scaler is not None and manifest.get("loss_scaler"):
-            small["loss_scaler"] = _check_fields_of(
-                manifest["loss_scaler"], state.loss_scaler.state_dict(), "loss_scaler", path)
+            small["loss_scaler"] = check_loss_scaler(
+                manifest["loss_scaler"], state.loss_scaler.state_dict(), f"checkpoint {path}")
     if with_scheduler and state.lr_scheduler is not None:
         saved = manifest.get("lr_scheduler")
-        if saved is not None and not isinstance(saved, dict):
-            raise CheckpointError(f"checkpoint {path}: lr_scheduler is not a JSON object")
+        if saved is not None:
+            saved = check_scheduler(saved, state.lr_scheduler.state_dict(),
+                                    f"checkpoint {path}")
         small["lr_scheduler"] = saved
     loader, position = state.data_loader, manifest.get("data_loader")
     if loader is not None and position is not None and hasattr(loader, "load_state_dict"):
         if hasattr(loader, "state_dict"):
-            position = _check_fields_of(position, loader.state_dict(), "data_loader", path)
+            position = check_data_loader(position, loader.state_dict(), f"checkpoint {path}")
         small["data_loader"] = position
     return small
-
-
-def _check_fields_of(saved: Any, live: dict, what: str, path: str) -> dict:
-    """``saved`` must be an object whose keys ``live`` has, each a number where ``live``
-    holds one (a bool where it holds a bool)."""
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"checkpoint {path}: {what} is not a JSON object")
-    for key, value in saved.items():
-        if key not in live:
-            raise CheckpointError(f"checkpoint {path}: {what} has the unknown key {key!r}")
-        current = live[key]
-        if isinstance(current, bool) != isinstance(value, bool) or (
-                isinstance(current, (int, float)) and not isinstance(value, (int, float))):
-            raise CheckpointError(f"checkpoint {path}: {what}[{key!r}] is {value!r}; "
-                                  f"expected a value like {current!r}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise CheckpointError(f"checkpoint {path}: {what}[{key!r}] is {value!r}")
-    return saved
 
 
 def _restore_small(state: TrainingState, small: dict) -> None:

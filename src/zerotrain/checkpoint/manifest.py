@@ -13,18 +13,21 @@ The field list is in ``docs/checkpoints.md``.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+from .. import untrusted
 from ..errors import CheckpointError  # defined there; importable from here too
 
 FORMAT = "zerotrain.checkpoint"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
+MANIFEST_MAX_BYTES = 256 << 20   # a manifest lists records and counters: never this large
 MODULE_FILE = "module.safetensors"
 COUNTERS = ("global_steps", "micro_steps", "skipped_steps", "global_samples")
 
@@ -114,13 +117,37 @@ def safe_file(directory: str, name: Any, *, what: str) -> str:
     return os.path.join(directory, name)
 
 
+def check_regular_file(path: str, *, what: str, max_bytes: Optional[int] = None) -> int:
+    """``untrusted.check_regular_file`` raising CheckpointError (a missing file too)."""
+    try:
+        return untrusted.check_regular_file(path, what=what, max_bytes=max_bytes)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except untrusted.UnsafeFile as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def read_regular_file(path: str, *, what: str, max_bytes: int) -> bytes:
+    """``untrusted.read_regular_file`` raising CheckpointError (FileNotFoundError when the
+    file is missing, for callers to whom that is normal)."""
+    try:
+        return untrusted.read_regular_file(path, what=what, max_bytes=max_bytes)
+    except untrusted.UnsafeFile as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def save_identity(text: str) -> int:
+    """A 62-bit hash of a save's identity, for the load's agreement."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
 # --------------------------------------------------------------------------- validation
 def read_manifest(tag_dir: str) -> dict:
     """Parse and validate ``tag_dir/manifest.json`` (no tensor is read)."""
     path = os.path.join(tag_dir, MANIFEST_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_regular_file(path, what="manifest",
+                                                max_bytes=MANIFEST_MAX_BYTES))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete zerotrain "
                               "checkpoint") from None
@@ -205,8 +232,11 @@ def _check_fields(obj: Any, required: dict, where: str) -> None:
                                   f"{type(obj[key]).__name__}")
 
 
+MAX_COUNT = 2 ** 62   # steps, samples, sizes: beyond any real run (2**62: "no limit")
+
+
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
 def _check_shape(shape: Any, where: str) -> None:

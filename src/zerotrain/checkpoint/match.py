@@ -138,3 +138,129 @@ def _check_value(value: Any, current: Any, where: str, key: str) -> None:
             raise CheckpointError(f"{where} is {value!r}; expected a finite number")
         if key in _NON_NEGATIVE and value < 0:
             raise CheckpointError(f"{where} is {value!r}; it must not be negative")
+
+
+# --------------------------------------------------------------------------- small state
+# Note: small state is checked at staging
+#     Both loaders (zerotrain's format and DeepSpeed's) pass the loss scaler, scheduler and
+#     data-loader state through these checks before any rank agrees, so a value that would
+#     divide by zero, skip every later step, or raise inside ``load_state_dict`` after the
+#     tensors were committed is refused while nothing has changed yet.
+_MAX_INT = 2 ** 62
+_MAX_SCALE = 2.0 ** 64
+
+
+def _kind_matches(value: Any, current: Any) -> bool:
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(current, bool) and isinstance(value, bool)
+    if isinstance(current, int):
+        return isinstance(value, int) and -_MAX_INT < value < _MAX_INT
+    if isinstance(current, float):
+        return _number(value) and math.isfinite(value)
+    if isinstance(current, str):
+        return isinstance(value, str)
+    if isinstance(current, (list, tuple)):
+        return isinstance(value, (list, tuple)) and len(value) == len(current) and all(
+            _kind_matches(v, c) for v, c in zip(value, current))
+    if isinstance(current, dict):
+        return isinstance(value, dict)
+    return True   # None or an object of the scheduler's own: its load_state_dict decides
+
+
+def check_fields(saved: Any, live: dict, what: str, where: str, *,
+                 required: bool = False) -> dict:
+    """``saved`` must be a dict whose keys ``live`` (a ``state_dict()``) has, each value of
+    the same kind as the live one (an int for an int, a finite number for a float, a list of
+    as many for a list); with ``required`` it must also have every public key ``live``
+    has (``load_state_dict`` reads them). Raises CheckpointError naming ``what[key]``."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where}: {what} is a {type(saved).__name__}, not an object")
+    for key, value in saved.items():
+        if key not in live:
+            raise CheckpointError(f"{where}: {what} has the unknown key {key!r}")
+        if not _kind_matches(value, live[key]):
+            raise CheckpointError(f"{where}: {what}[{key!r}] is {value!r}; expected a value "
+                                  f"like {live[key]!r}")
+    if required:
+        missing = [k for k in live if k not in saved and not str(k).startswith("_")]
+        if missing:
+            raise CheckpointError(f"{where}: {what} lacks {missing[0]!r}, which this "
+                                  f"{what} needs to resume")
+    return saved
+
+
+def check_loss_scaler(saved: Any, live: dict, where: str) -> dict:
+    """A loss scaler's state, by kind and by range: a positive finite scale no larger than
+    2**64, a minimum within (0, scale], a factor above 1, a window and hysteresis of at
+    least 1 and iteration counts that are counts."""
+    state = check_fields(_plain(saved), live, "loss_scaler", where)
+    merged = {**live, **state}
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{where}: loss_scaler[{key!r}] is {merged[key]!r}; {rule}")
+
+    scale = merged["loss_scale"]
+    need(0 < scale <= _MAX_SCALE, "loss_scale", f"it must lie in (0, {_MAX_SCALE:g}]")
+    if merged["dynamic"]:
+        need(0 < merged["min_scale"] <= scale, "min_scale",
+             f"it must lie in (0, loss_scale={scale!r}] (a larger minimum skips every step)")
+        need(1 < merged["scale_factor"] <= 65536, "scale_factor", "it must lie in (1, 65536]")
+        need(merged["scale_window"] >= 1, "scale_window", "it must be at least 1")
+        need(merged["hysteresis"] >= 1, "hysteresis", "it must be at least 1")
+        need(0 <= merged["cur_hysteresis"] <= merged["hysteresis"], "cur_hysteresis",
+             f"it must lie in [0, hysteresis={merged['hysteresis']!r}]")
+        need(merged["cur_iter"] >= 0, "cur_iter", "it must not be negative")
+        need(-1 <= merged["last_overflow_iter"] <= merged["cur_iter"], "last_overflow_iter",
+             f"it must lie in [-1, cur_iter={merged['cur_iter']!r}]")
+    return state
+
+
+def check_data_loader(saved: Any, live: dict, where: str) -> dict:
+    """A data loader's position: its fields by kind, every count non-negative (a negative
+    ``batches_consumed`` would crash the loader at its next pass)."""
+    state = check_fields(saved, live, "data_loader", where)
+    for key, value in state.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise CheckpointError(f"{where}: data_loader[{key!r}] is {value!r}; it must not "
+                                  "be negative")
+    for key in ("micro_batch_size", "world_size"):
+        if key in state and state[key] == 0:
+            raise CheckpointError(f"{where}: data_loader[{key!r}] is 0")
+    return state
+
+
+def check_scheduler(saved: Any, live: dict, where: str) -> dict:
+    """A learning-rate scheduler's state: every public key the live one has (its
+    ``load_state_dict`` reads them), each of the same kind."""
+    return check_fields(_plain(saved), live, "lr_scheduler", where, required=True)
+
+
+def check_counters(counters: dict, where: str) -> dict:
+    """``global_steps``, ``global_samples``, ``skipped_steps``: counts below 2**62."""
+    for key, value in counters.items():
+        if not (isinstance(value, int) and not isinstance(value, bool)
+                and 0 <= value < _MAX_INT):
+            raise CheckpointError(f"{where}: {key} is {value!r}; expected a count in "
+                                  f"[0, 2**62)")
+    return counters
+
+
+def _plain(value: Any) -> Any:
+    """0-d tensors as Python numbers (DeepSpeed pickles some scalars as tensors)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def json_group_values(groups: list) -> list:
+    """DeepSpeed's pickled parameter groups in the JSON form :func:`check_group_values`
+    checks (tuples as lists, 0-d tensors as numbers), so both formats pass one check."""
+    def plain(value: Any) -> Any:
+        value = _plain(value)
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        return value
+    return [{k: plain(v) for k, v in g.items()} if isinstance(g, dict) else g for g in groups]

@@ -11,6 +11,9 @@ import os
 from typing import Any, Dict, List, Mapping
 
 from ..errors import ConfigError
+from ..untrusted import UnsafeFile, read_regular_file
+
+MAX_BYTES = 64 << 20   # a DeepSpeed config is a few KB
 
 
 def _read(config: Any) -> Dict[str, Any]:
@@ -24,11 +27,12 @@ def _read(config: Any) -> Dict[str, Any]:
         raise ConfigError("", "config must be a dict, a path to a JSON file, or None; "
                               f"got {type(config).__name__}")
     path = os.fspath(config)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+    try:   # a regular file of bounded size: never a FIFO or /dev/zero
+        text = read_regular_file(path, what="config file", max_bytes=MAX_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError("", f"config file {path} does not exist") from None
+    except UnsafeFile as exc:
+        raise ConfigError("", str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("", f"cannot read config file {path}: {exc}") from None
     try:

@@ -26,9 +26,11 @@ _OTHER_MP = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_(0[1-9]|[1-9]\d+)_model_st
 
 def is_deepspeed_tag_dir(path: str) -> bool:
     """Whether ``path`` is a DeepSpeed tag directory (it holds model-states files)."""
-    if not os.path.isdir(path):
+    try:
+        names = os.listdir(path) if os.path.isdir(path) else []
+    except OSError:   # unreadable: not a tag we can load (auto-resume tries the next one)
         return False
-    return any(name == MODEL_FILE or _RANK_MODEL.match(name) for name in os.listdir(path))
+    return any(name == MODEL_FILE or _RANK_MODEL.match(name) for name in names)
 
 
 def tag_steps(path: str) -> Optional[int]:
@@ -72,7 +74,11 @@ class TagFiles:
 def list_files(path: str) -> TagFiles:
     """Classify the files of tag directory ``path``; CheckpointError if the set is not one
     DeepSpeed writes (model parallelism, missing or duplicate ranks)."""
-    names = sorted(os.listdir(path))
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        raise CheckpointError(f"cannot list DeepSpeed checkpoint tag {path}: "
+                              f"{exc.strerror or exc}") from None
     others = [n for n in names if _OTHER_MP.match(n)]
     if others:
         raise CheckpointError(f"{os.path.join(path, others[0])}: model (tensor) parallel "

@@ -22,12 +22,13 @@ from typing import Any, Optional
 import torch
 
 from ...records import FROZEN
-from ..match import model_shapes
+from ..match import (check_counters, check_group_values, check_loss_scaler, check_scheduler,
+                     json_group_values, model_shapes)
 from ..manifest import CheckpointError
 from ..reshard import target_range
 from ..staging import commit_tensors, state_target
 from ..state import CheckpointReport, LoadResult, TrainingState, shard_rank
-from .source import DeepSpeedCheckpoint
+from .source import DeepSpeedCheckpoint, malformed
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def load_deepspeed_checkpoint(state: TrainingState, path: str, *,
                         with_scheduler=load_lr_scheduler_states)
     except Exception as exc:  # noqa: BLE001 - re-raised after every rank agrees
         failure = exc
-    _agree(state, failure, path)
+    _agree(state, failure, path, identity=staged.identity if staged is not None else 0)
     assert staged is not None
     _commit(state, staged)
     state.stage.publish_parameters()
@@ -76,32 +77,48 @@ class _Staged:
     scheduler: Optional[dict] = None
     counters: Optional[dict] = None
     client_state: Any = None
+    identity: int = 0
 
 
-def _stage(state: TrainingState, path: str, *, with_optimizer: bool, with_small: bool,
-           with_scheduler: bool) -> _Staged:
-    """Read and check everything this rank will load, changing nothing."""
+def _stage(state: TrainingState, path: str, **kwargs: bool) -> _Staged:
+    """Read and check everything this rank will load, changing nothing; a field of the wrong
+    type or size anywhere becomes a CheckpointError naming the tag."""
+    try:
+        return _stage_checked(state, path, **kwargs)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
+            AttributeError, OverflowError) as exc:
+        raise malformed(path, exc) from None
+
+
+def _stage_checked(state: TrainingState, path: str, *, with_optimizer: bool,
+                   with_small: bool, with_scheduler: bool) -> _Staged:
     ckpt = DeepSpeedCheckpoint(path)
     records = state.stage.shard_records() + state.stage.frozen_records()
     check_model(ckpt, state.module, records)
     if with_optimizer:
         _check_optimizer(ckpt, state, records)
-    staged = _Staged(stage=ckpt.stage, world=ckpt.world, files_opened=len(ckpt.optim_files) + 1)
+    staged = _Staged(stage=ckpt.stage, world=ckpt.world, files_opened=len(ckpt.optim_files) + 1,
+                     identity=ckpt.identity())
     for record in records:
         _stage_record(state, ckpt, record, staged, with_optimizer=(
             with_optimizer and record.group_index != FROZEN))
     staged.tensors += _stage_module_tensors(state.module, ckpt, records, staged)
     staged.client_state = ckpt.client_state()
-    if with_small:
+    if with_small:   # every part checked here, before any rank commits (match.py)
         if with_optimizer:
             staged.hyperparameters = _staged_hyperparameters(state, ckpt)
-            staged.scaler = ckpt.loss_scaler_state() if state.loss_scaler is not None else None
+            scaler = ckpt.loss_scaler_state() if state.loss_scaler is not None else None
+            if scaler is not None:
+                staged.scaler = check_loss_scaler(scaler, state.loss_scaler.state_dict(),
+                                                  ckpt.model_file)
         if with_scheduler and state.lr_scheduler is not None:
-            staged.scheduler = ckpt.lr_scheduler_state()
-            if staged.scheduler is not None and not isinstance(staged.scheduler, dict):
-                raise CheckpointError(f"{path}: the lr_scheduler state is a "
-                                      f"{type(staged.scheduler).__name__}, not a dict")
-        staged.counters = ckpt.counters()
+            saved = ckpt.model.get("lr_scheduler")
+            if saved is not None:
+                staged.scheduler = check_scheduler(saved, state.lr_scheduler.state_dict(),
+                                                   ckpt.model_file)
+        staged.counters = check_counters(ckpt.counters(), ckpt.model_file)
     return staged
 
 
@@ -232,32 +249,35 @@ def _stage_module_tensors(module: torch.nn.Module, ckpt: DeepSpeedCheckpoint, re
     return out
 
 
-def _agree(state: TrainingState, failure: Optional[BaseException], path: str) -> None:
-    """One scalar all-reduce (min over ranks of the first failing rank): all raise or none."""
+def _agree(state: TrainingState, failure: Optional[BaseException], path: str, *,
+           identity: int) -> None:
+    """One all-reduce (min over ranks of the first failing rank, the save identity and its
+    negation): all raise or none, and all staged the same save."""
     comm = state.comm
-    first = 0 if failure else 1
+    first, same = (0 if failure else 1), True
     if comm.world_size > 1:
-        flag = torch.tensor([comm.rank if failure else comm.world_size], device=comm.device)
+        flag = torch.tensor([comm.rank if failure else comm.world_size, identity, -identity],
+                            dtype=torch.int64, device=comm.device)
         comm.all_reduce(flag, op="min")
-        first = int(flag.item())
+        first, same = int(flag[0]), int(flag[1]) == -int(flag[2])
     if failure is not None:
         raise failure
     if first < comm.world_size:
         raise CheckpointError(f"rank {first} could not read DeepSpeed checkpoint {path} (its "
                               "error is in its log); the model was not updated")
+    if not same:
+        raise CheckpointError(f"ranks read different saves of DeepSpeed checkpoint {path} "
+                              "(it was saved again while they loaded it); the model was not "
+                              "updated")
 
 
 def _staged_hyperparameters(state: TrainingState, ckpt: DeepSpeedCheckpoint) -> list[dict]:
-    """Each group's saved hyperparameters that the live group has, checked to convert."""
-    staged = []
-    for group, saved in zip(state.optimizer.param_groups, ckpt.hyperparameters()):
-        kept = {key: value for key, value in saved.items() if key in group}
-        for key, value in kept.items():
-            current = group[key]
-            if isinstance(current, torch.Tensor):   # converted on commit; check it converts
-                torch.as_tensor(value, dtype=current.dtype)
-        staged.append(kept)
-    return staged
+    """Each group's saved hyperparameters that the live group has, through the check the
+    zerotrain format's pass (``match.check_group_values``: kinds, finite, ranges)."""
+    groups = state.optimizer.param_groups
+    saved = [{k: v for k, v in g.items() if k in live}
+             for g, live in zip(json_group_values(ckpt.hyperparameters()), groups)]
+    return check_group_values(saved, groups, ckpt.optim_files[0])
 
 
 def _like(current: Any, value: Any) -> Any:

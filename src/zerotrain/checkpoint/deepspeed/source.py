@@ -8,11 +8,12 @@ paged in), so a bad file raises on every rank before a load's first collective.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import torch
 
-from ..manifest import CheckpointError
+from ..manifest import CheckpointError, save_identity
 from . import files
 from .layout import SourceParam, zero12_params, zero3_params
 from .unpickle import DeepSpeedRecord
@@ -32,8 +33,18 @@ class DeepSpeedCheckpoint:
     """One DeepSpeed tag directory, opened and indexed (no process group needed)."""
 
     def __init__(self, path: str) -> None:
+        try:
+            self._open(path)
+        except CheckpointError:
+            raise
+        except (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
+                AttributeError, OverflowError) as exc:   # a field of the wrong type or size
+            raise malformed(path, exc) from None
+
+    def _open(self, path: str) -> None:
         self.path = path
         tag_files = files.list_files(path)
+        self.model_file = tag_files.model_files[0]
         self._rank_models = [files.read(f) for f in tag_files.model_files]   # stage 3: one
         self.model = self._rank_models[0]                                   # per rank
         self.optim = [_optimizer_dict(files.read(f), f) for f in tag_files.optim_files]
@@ -42,7 +53,10 @@ class DeepSpeedCheckpoint:
         if not isinstance(shapes, list):
             raise CheckpointError(f"{tag_files.model_files[0]} has no param_shapes: the run "
                                   "did not use ZeRO (stage 0), whose checkpoints are not read")
-        self.world = int(self.model.get("dp_world_size") or len(self.optim) or 1)
+        self.world = _world_size(self.model.get("dp_world_size"), len(self.optim),
+                                 self.model_file)
+        for i, state in enumerate(self.optim):
+            _check_flats(state, self.optim_files[i])
         if self.optim and len(self.optim) != self.world:
             raise CheckpointError(f"{path}: dp_world_size is {self.world} but there are "
                                   f"{len(self.optim)} optimizer-state files")
@@ -95,6 +109,13 @@ class DeepSpeedCheckpoint:
                          for k, v in {"master": m, **moments[i]}.items()}
                         for i, m in enumerate(masters)])
         return out
+
+    def identity(self) -> int:
+        """A hash of this save (step counters, every file's size): ranks that read two saves
+        of one tag (re-saved meanwhile) differ here, and the load's agreement refuses."""
+        sizes = [os.path.getsize(f) for f in (self.model_file, *self.optim_files)]
+        return save_identity(repr((self.model.get("global_steps"),
+                                   self.model.get("global_samples"), sizes)))
 
     # ------------------------------------------------------------------ tensors
     def read_into(self, name: str, key: str, start: int, end: int, out: torch.Tensor) -> None:
@@ -200,12 +221,23 @@ class DeepSpeedCheckpoint:
         out = {}
         for key in ("global_steps", "global_samples", "skipped_steps"):
             value = self.model.get(key)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
             if value is not None:
-                out[key] = int(value)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise CheckpointError(f"{self.model_file}: {key} is {value!r}; expected "
+                                          "an integer count")
+                out[key] = value
         return out
 
     def client_state(self) -> dict:
-        return {k: _detached(v) for k, v in self.model.items() if k not in _DS_KEYS}
+        """The script's own keys, each tensor a copy (never a view of the mapped file). Each
+        object is walked once (shared lists stay shared, cycles are refused) and what the
+        copies allocate is bounded by the file's size (Note: client values are bounded)."""
+        budget = [_COPY_SLACK + _COPY_RATIO * os.path.getsize(self.model_file)]
+        memo: dict[int, Any] = {}
+        return {k: _detached(v, memo, budget, f"{self.model_file}: client_state[{k!r}]", 0)
+                for k, v in self.model.items() if k not in _DS_KEYS}
 
     def lr_scheduler_state(self) -> Optional[dict]:
         value = self.model.get("lr_scheduler")
@@ -290,12 +322,74 @@ def _moments(state: dict, count: int, *, stage3: bool) -> list[dict]:
     return out
 
 
-def _detached(value: Any) -> Any:
+# Note: client values are bounded
+#     ``client_state`` is whatever the script saved, read from a file nobody here wrote. Its
+#     walk keeps one copy per object (a list shared 60 times deep is 60 objects, not 2**60
+#     paths), refuses a cycle or nesting deeper than :data:`_MAX_DEPTH`, and lets the tensor
+#     copies allocate at most ``_COPY_RATIO`` times the file's size plus ``_COPY_SLACK``: a
+#     stride-0 ``expand`` or a storage the file does not hold cannot make a few-KB file
+#     allocate gigabytes. An over-budget value is refused naming its key.
+_MAX_DEPTH = 100
+_COPY_RATIO = 2
+_COPY_SLACK = 1 << 20
+_ACTIVE = object()
+
+
+def _detached(value: Any, memo: dict, budget: list, where: str, depth: int) -> Any:
+    if isinstance(value, (str, bytes, int, float, complex, bool, type(None))):
+        return value
+    known = memo.get(id(value))
+    if known is _ACTIVE:
+        raise CheckpointError(f"{where} refers to itself (a cycle); refusing it")
+    if known is not None:
+        return known[1]
+    if depth > _MAX_DEPTH:
+        raise CheckpointError(f"{where} is nested deeper than {_MAX_DEPTH} levels")
+    memo[id(value)] = _ACTIVE
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return type(value)((k, _detached(v)) for k, v in value.items()) \
-            if not isinstance(value, DeepSpeedRecord) else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
+        size = value.numel() * value.element_size()
+        budget[0] -= size
+        if budget[0] < 0:
+            raise CheckpointError(f"{where} holds a tensor of shape {tuple(value.shape)} "
+                                  f"({size} bytes), more than its file can hold; refusing "
+                                  "to allocate it")
+        out: Any = value.detach().clone()
+    elif isinstance(value, DeepSpeedRecord):
+        out = value
+    elif isinstance(value, dict):
+        out = type(value)((k, _detached(v, memo, budget, f"{where}[{k!r}]", depth + 1))
+                          for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        out = type(value)(_detached(v, memo, budget, f"{where}[{i}]", depth + 1)
+                          for i, v in enumerate(value))
+    else:
+        out = value
+    memo[id(value)] = (value, out)   # keeps ``value`` alive, so its id is not reused
+    return out
+
+
+def malformed(path: str, exc: BaseException) -> CheckpointError:
+    """A DeepSpeed file whose fields have the wrong type or size, named."""
+    text = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return CheckpointError(f"DeepSpeed checkpoint {path} is malformed (a field has the wrong "
+                           f"type or size): {type(exc).__name__}: {text}")
+
+
+def _world_size(value: Any, files: int, where: str) -> int:
+    if value is None:
+        return files or 1
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
+        raise CheckpointError(f"{where}: dp_world_size is {value!r}; expected a positive "
+                              "integer")
     return value
+
+
+def _check_flats(state: dict, where: str) -> None:
+    key = "fp32_flat_groups" if "fp32_flat_groups" in state else \
+        "single_partition_of_fp32_groups"
+    flats = state[key]
+    if not isinstance(flats, (list, tuple)) or not all(
+            isinstance(t, torch.Tensor) and t.dim() == 1 for t in flats):
+        raise CheckpointError(f"{where}: {key} is not a list of 1-D tensors")

@@ -1,60 +1,35 @@
 """Read DeepSpeed's ``torch.save`` files without running any pickled code.
 
 Note: what a DeepSpeed pickle may name
-    A pickle runs code by naming a global (``os.system``, ``builtins.eval``) and calling it.
-    DeepSpeed's files name only a handful: torch's tensor rebuilders and storage types,
-    ``torch.Size``, ``collections.OrderedDict``, and four DeepSpeed classes (its loss
-    scalers, ``ZeroStageEnum`` and ``fragment_address``). :class:`_Unpickler` resolves
-    exactly :data:`_ALLOWED` to the real object (functions that only build tensors or
-    containers), maps :data:`_RECORDS` to :class:`DeepSpeedRecord` subclasses (inert data:
-    constructing, calling or restoring one only stores its arguments and state, so DeepSpeed
-    need not be installed), and refuses every other global with a :class:`CheckpointError`
-    naming the global and the file. ``torch.load`` is given this unpickler through
-    ``pickle_module``; it resolves storage types itself (names containing ``Storage`` map to
-    a dtype, nothing is imported) and asks us for everything else. TorchScript archives,
-    which ``torch.load`` would hand to ``torch.jit.load``, and the pre-1.6 non-zip format are
-    refused before ``torch.load`` sees them.
+    A pickle runs code by naming a global (``os.system``, ``builtins.eval``) and calling it,
+    or by setting attributes on one it may name (a BUILD opcode on a function can rewrite
+    its ``__defaults__`` for the whole process). DeepSpeed's files are read by torch's own
+    weights-only unpickler (``torch.load(weights_only=True)``), which allows torch's tensor
+    rebuilders, storage and dtype types, ``torch.Size`` and ``collections.OrderedDict``,
+    and builds (BUILD) only tensors, parameters, ordered dicts and allowlisted classes.
+    Four DeepSpeed classes (its loss scalers, ``ZeroStageEnum`` and ``fragment_address``)
+    and ``frozenset`` are added for the duration of one read only
+    (``torch.serialization.safe_globals``), each DeepSpeed class mapped to a
+    :class:`DeepSpeedRecord` subclass (inert data: constructing, calling or restoring one
+    only stores its arguments and state, so DeepSpeed need not be installed). Every other
+    global is refused with a :class:`CheckpointError` naming the global and the file.
+    TorchScript archives, which ``torch.load`` would hand to ``torch.jit.load``, and the
+    pre-1.6 non-zip format are refused before ``torch.load`` sees them; so are a path that
+    is not a regular file (a FIFO, ``/dev/zero``) and compressed records whose declared size
+    is out of proportion to the file (a zip bomb). Compressed records are read without
+    ``mmap`` (mapping would hand out the compressed bytes as tensor data).
 """
 from __future__ import annotations
 
-import codecs
-import collections
 import pickle
+import re
+import threading
 import zipfile
 from typing import Any
 
 import torch
 
-from ..manifest import CheckpointError
-
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: tuple, state: Any) -> torch.Tensor:
-    """torch's rebuilder for tensors carrying Python attributes (DeepSpeed's stage-3 flat
-    partitions), restricted: ``func`` must be a tensor rebuilder and ``new_type`` a plain
-    tensor or parameter; the attributes (DeepSpeed's bookkeeping) are dropped."""
-    if func not in _TENSOR_REBUILDERS or new_type not in (torch.Tensor, torch.nn.Parameter):
-        raise RefusedGlobal(getattr(new_type, "__module__", "?"),
-                            getattr(new_type, "__qualname__", repr(new_type)))
-    return func(*args)
-
-
-_TENSOR_REBUILDERS = (torch._utils._rebuild_tensor_v2, torch._utils._rebuild_parameter)
-_ALLOWED: dict[tuple[str, str], Any] = {
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-    ("torch", "Tensor"): torch.Tensor,
-    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
-    ("torch", "Size"): torch.Size,
-    ("torch", "device"): torch.device,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "complex"): complex,
-    ("_codecs", "encode"): codecs.encode,   # how protocol 2 writes ``bytes``
-}
-_ALLOWED.update({("torch", name): getattr(torch, name) for name in (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool")})
+from ..manifest import CheckpointError, check_regular_file
 
 _RECORDS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -100,69 +75,71 @@ _RECORD_CLASSES = {tuple(name.rsplit(".", 1)): type(name.rsplit(".", 1)[1], (Dee
                    for name in _RECORDS}
 
 
-class RefusedGlobal(pickle.UnpicklingError):
-    """A pickle named a global outside the allowlist (see Note: what a DeepSpeed pickle may
-    name)."""
-
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__(f"{module}.{name}")
-        self.qualname = f"{module}.{name}"
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        key = (module, name)
-        if key in _ALLOWED:
-            return _ALLOWED[key]
-        if key in _RECORD_CLASSES:
-            return _RECORD_CLASSES[key]
-        raise RefusedGlobal(module, name)
-
-
-class _PickleModule:
-    """What ``torch.load(pickle_module=...)`` needs: ``Unpickler`` and ``load``."""
-
-    __name__ = "zerotrain.checkpoint.deepspeed.unpickle"
-    Unpickler = _Unpickler
-    UnpicklingError = pickle.UnpicklingError
-
-    @staticmethod
-    def load(file, **kwargs: Any) -> Any:
-        return _Unpickler(file, **kwargs).load()
+_SAFE = [(cls, cls.qualname) for cls in _RECORD_CLASSES.values()] + [frozenset]
+_SAFE_LOCK = threading.Lock()   # one read at a time adds and removes the allowlist entries
+_UNSUPPORTED = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
+_INFLATE_RATIO = 64             # declared size of compressed records per byte of file
 
 
 def load_file(path: str, *, mmap: bool = True) -> Any:
     """The object in DeepSpeed file ``path``, read without running pickled code.
 
     With ``mmap`` tensors are views of the mapped file: only the elements read later are
-    paged in, so opening a large optimizer-state file costs almost no memory.
+    paged in, so opening a large optimizer-state file costs almost no memory (a file with
+    compressed records is read whole instead).
     Raises CheckpointError naming the file (and the global, for a refused one).
     """
-    _check_archive(path)
+    compressed = _check_archive(path)
     try:
-        return torch.load(path, map_location="cpu", pickle_module=_PickleModule,
-                          weights_only=False, mmap=mmap)
-    except RefusedGlobal as exc:
-        raise CheckpointError(
-            f"refusing to read {path}: its pickle names the global {exc.qualname}, which "
-            "is not one of the DeepSpeed, torch or collections classes a DeepSpeed "
-            "checkpoint holds; zerotrain never runs pickled code") from None
+        with _SAFE_LOCK, torch.serialization.safe_globals(_SAFE):
+            return torch.load(path, map_location="cpu", weights_only=True,
+                              mmap=mmap and not compressed)
+    except pickle.UnpicklingError as exc:
+        found = _UNSUPPORTED.search(str(exc))
+        if found:
+            name = found.group(1)
+            raise CheckpointError(
+                f"refusing to read {path}: its pickle names the global {name}, which is not "
+                "one of the DeepSpeed, torch or collections classes a DeepSpeed checkpoint "
+                "holds; zerotrain never runs pickled code") from None
+        raise CheckpointError(f"refusing to read {path}: {_first_line(exc)} (torch's "
+                              "weights-only unpickler refused it; zerotrain never runs "
+                              "pickled code)") from None
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - any other failure is a corrupt file
         raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
 
 
-def _check_archive(path: str) -> None:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    if "Weights only load failed" in text:   # torch's long advice: keep the reason only
+        lines = [line for line in text.splitlines() if line.strip()]
+        reason = [line for line in lines[1:] if not line.startswith("Check the documentation")]
+        return (reason or lines[-1:] or [text])[0].strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_archive(path: str) -> bool:
+    """Refuse what ``torch.load`` must not see; whether any record is compressed."""
+    size = check_regular_file(path, what="DeepSpeed checkpoint file")
     try:
         with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
+            infos = archive.infolist()
     except FileNotFoundError:
         raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing") from None
-    except (zipfile.BadZipFile, OSError) as exc:
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is not a torch.save zip archive ({exc}); only the "
                               "zip format (torch >= 1.6, what DeepSpeed writes) is read") from None
+    names = [info.filename for info in infos]
     if any(name.endswith("/constants.pkl") or "/code/" in name for name in names):
         raise CheckpointError(f"refusing to read {path}: it is a TorchScript archive, which "
                               "holds code; DeepSpeed checkpoints never are")
+    packed = [info for info in infos if info.compress_type != zipfile.ZIP_STORED]
+    declared = sum(info.file_size for info in packed)
+    if declared > _INFLATE_RATIO * size + (1 << 20):
+        raise CheckpointError(f"refusing to read {path}: its compressed records declare "
+                              f"{declared} bytes, more than {_INFLATE_RATIO} times the file's "
+                              f"{size}; torch.save writes records uncompressed")
+    return bool(packed)

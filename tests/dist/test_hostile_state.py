@@ -1,0 +1,249 @@
+"""Hostile checkpoint state through a real load on 2 ranks: refused at staging (nothing
+changed on any rank), one tag and one save for every rank, and auto-resume falling back
+past a tag that cannot be loaded. File-level cases are in tests/unit/test_hostile_files.py.
+"""
+import json
+import math
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+import reference as R
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))
+import make_deepspeed_ckpts as M  # noqa: E402
+
+FIXTURES = M.DEFAULT_OUT
+TAG = f"global_step{M.BEFORE}"
+OPTIMS = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+MODEL = "mp_rank_00_model_states.pt"
+
+# DeepSpeed files: (name, edit of the optimizer groups or the model file, words the error names)
+DEEPSPEED_CASES = {
+    "lr_nan": ("group", {"lr": math.nan}, "param_groups[0].lr"),
+    "lr_negative": ("group", {"lr": -100.0}, "param_groups[0].lr"),
+    "decay_negative": ("group", {"weight_decay": -1.0}, "param_groups[0].weight_decay"),
+    "lr_string": ("group", {"lr": "0.1"}, "param_groups[0].lr"),
+    "betas_short": ("group", {"betas": [5]}, "param_groups[0].betas"),
+    "scheduler_empty": ("model", {"lr_scheduler": {}}, "lr_scheduler lacks"),
+    "scheduler_text": ("model", {"lr_scheduler": {"last_batch_iteration": "2"}},
+                       "lr_scheduler['last_batch_iteration']"),
+    "steps_huge": ("model", {"global_steps": 10 ** 30}, "global_steps"),
+}
+
+
+def _deepspeed_copies(base, monkeypatch) -> dict[str, str]:
+    from test_deepspeed_files import _FakeDeepSpeed
+
+    from zerotrain.checkpoint.deepspeed import load_file
+    fake = _FakeDeepSpeed(monkeypatch)
+    source = os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint")
+    roots = {}
+    for name, (kind, edit, _) in DEEPSPEED_CASES.items():
+        root = base / name
+        shutil.copytree(source, root)
+        tag = root / TAG
+        if kind == "model":
+            data = load_file(str(tag / MODEL), mmap=False)
+            data.update(edit)
+            torch.save(data, tag / MODEL)
+        else:
+            for optim in OPTIMS:
+                data = fake.unrecord(load_file(str(tag / optim), mmap=False))
+                data["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].update(
+                    edit)
+                torch.save(data, tag / optim)
+        roots[name] = str(root)
+    # auto-resume: the newest tag's scheduler state is {}, the next one cannot be listed
+    fallback = base / "fallback"
+    shutil.copytree(os.path.join(source, TAG), fallback / TAG)
+    shutil.copytree(base / "scheduler_empty" / TAG, fallback / "global_step5")
+    shutil.copytree(os.path.join(source, TAG), fallback / "global_step7")
+    (fallback / "latest").write_text("global_step7")
+    roots["fallback"] = str(fallback)
+    return roots
+
+
+def _everything(engine) -> dict:
+    """Everything a load writes: parameters, masters, Adam state, counters, hyperparameters."""
+    state = {f"param.{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
+    for i, (master, values) in enumerate(engine.optimizer.state.items()):
+        state[f"master.{i}"] = master.detach().clone()
+        for key, value in values.items():
+            state[f"optim.{i}.{key}"] = torch.as_tensor(value).detach().clone()
+    state["counters"] = torch.tensor([engine.global_steps, engine.global_samples,
+                                      engine.skipped_steps])
+    for g, group in enumerate(engine.optimizer.param_groups):
+        state[f"group.{g}"] = torch.tensor([float(v) for k, v in sorted(group.items())
+                                            if isinstance(v, (int, float))])
+    state["scale"] = torch.tensor(float(engine.loss_scale))
+    return state
+
+
+def _same(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _deepspeed_job(rank, world, roots):
+    import zerotrain
+    from zerotrain.checkpoint import CheckpointError
+
+    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
+        config = json.load(f)["config"]
+
+    def build(**extra):
+        model = M.make_model(seed=1)
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
+                                          config=dict(config, **extra))
+        return engine
+
+    engine = build()
+    x, y = M.micro_batch(0, rank, 0, world=world, gas=1,
+                         size=config["train_micro_batch_size_per_gpu"])
+    engine.backward(engine(x, y))
+    engine.step()
+    before = _everything(engine)
+    out = {}
+    for name in DEEPSPEED_CASES:
+        try:
+            engine.load_checkpoint(roots[name], tag=TAG)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a raw error is what the test refuses
+            error = f"raw {type(exc).__name__}: {exc}"
+        out[name] = (error, _same(before, _everything(engine)))
+    engine.close()
+    listdir = os.listdir
+
+    def unreadable(path):      # root reads any mode: the newest tag's listing fails instead
+        if str(path).endswith("global_step7"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    os.listdir = unreadable
+    try:
+        resumed = build(checkpoint={"auto_resume": roots["fallback"]})
+        out["fallback"] = (resumed.global_steps, resumed.get_lr()[0])
+        resumed.close()
+    except Exception as exc:  # noqa: BLE001
+        out["fallback"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        os.listdir = listdir
+    return out
+
+
+@pytest.mark.slow
+def test_hostile_deepspeed_state_is_refused_at_staging_and_auto_resume_falls_back(
+        worlds, tmp_path, monkeypatch):
+    """DeepSpeed param_groups pass the zerotrain format's check; a scheduler state that
+    would raise after the commit is refused before it; a too-large step count is refused;
+    auto-resume skips the unlistable and the hostile tag and loads the good one."""
+    roots = _deepspeed_copies(tmp_path, monkeypatch)
+    monkeypatch.undo()
+    for rank, res in enumerate(worlds.run(2, _deepspeed_job, roots)):
+        for name, (_, _, words) in DEEPSPEED_CASES.items():
+            error, unchanged = res[name]
+            assert error is not None and not error.startswith("raw"), (rank, name, error)
+            assert words in error, (name, error)
+            assert unchanged, (rank, name)
+        assert res["fallback"] == (M.BEFORE, pytest.approx(M.LR / 2)), res["fallback"]
+
+
+# --------------------------------------------------------------------------- zerotrain format
+SCALER_CASES = {"min_scale": 1e30, "scale_factor": 0.5, "loss_scale": math.nan,
+                "scale_window": 0}
+SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                           "warmup_num_steps": 4, "warmup_type": "linear"}}
+
+
+def _edited(root: str, good: str, name: str, edit) -> str:
+    shutil.copytree(os.path.join(root, good), os.path.join(root, name))
+    path = os.path.join(root, name, "manifest.json")
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    edit(manifest)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+    return name
+
+
+def _zerotrain_job(rank, world, root):
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.checkpoint import CheckpointError, fs
+
+    def build():
+        model = R.make_model(0)
+        cfg = R.engine_config(stage=2, precision="fp16", scheduler=SCHEDULE)
+        return zerotrain.initialize(model=model, config=cfg)[0]
+
+    engine = build()
+    for step in range(2):
+        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        engine.step()
+        engine.save_checkpoint(root, tag=f"step{step + 1}")
+    cases = {}
+    if rank == 0:
+        for key, value in SCALER_CASES.items():
+            cases[key] = _edited(root, "step2", f"scaler_{key}",
+                                 lambda m, k=key, v=value: m["loss_scaler"].update({k: v}))
+        cases["scheduler_empty"] = _edited(root, "step2", "sched",
+                                           lambda m: m.update(lr_scheduler={}))
+        cases["steps_huge"] = _edited(root, "step2", "huge",
+                                      lambda m: m["counters"].update(global_steps=10 ** 30))
+    box = [cases if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    cases = box[0]
+    before = _everything(engine)
+    out = {}
+    for what, tag in cases.items():
+        try:
+            engine.load_checkpoint(root, tag=tag)
+            out[what] = (None, _same(before, _everything(engine)))
+        except CheckpointError as exc:
+            out[what] = (str(exc), _same(before, _everything(engine)))
+    # ``latest`` read at different times: rank 1 would see the older tag
+    fresh = build()
+    original = fs.read_latest_text
+    if rank == 1:
+        fs.read_latest_text = lambda save_dir: "step1"
+    try:
+        fresh.load_checkpoint(root)
+    finally:
+        fs.read_latest_text = original
+    out["steps"] = fresh.global_steps
+    # the tag re-saved between the ranks' reads: rank 1 reads all of the newer save
+    tag_dir = fs.tag_dir
+    if rank == 1:
+        fs.tag_dir = lambda save_dir, tag: tag_dir(save_dir, "step2" if tag == "step1" else tag)
+    try:
+        fresh.load_checkpoint(root, tag="step1")
+        out["resaved"] = None
+    except CheckpointError as exc:
+        out["resaved"] = str(exc)
+    finally:
+        fs.tag_dir = tag_dir
+    fresh.close()
+    engine.close()
+    return out
+
+
+@pytest.mark.slow
+def test_hostile_zerotrain_state_is_refused_and_every_rank_loads_one_save(worlds, tmp_path):
+    results = worlds.run(2, _zerotrain_job, str(tmp_path / "ckpt"))
+    for rank, res in enumerate(results):
+        for key in SCALER_CASES:
+            error, unchanged = res[key]
+            assert error is not None and f"loss_scaler[{key!r}]" in error, (rank, key, error)
+            assert unchanged, (rank, key)
+        assert res["scheduler_empty"][0] is not None and "lr_scheduler lacks" in \
+            res["scheduler_empty"][0] and res["scheduler_empty"][1]
+        assert res["steps_huge"][0] is not None and "global_steps" in res["steps_huge"][0]
+        assert res["steps"] == 2, res["steps"]             # rank 0 resolved ``latest``
+        assert res["resaved"] is not None and "different saves" in res["resaved"]

@@ -43,7 +43,13 @@ def build_parser(prog: str = "zerotrain consolidate") -> argparse.ArgumentParser
                         "names)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest output file, e.g. 5GB or 500MiB (default 5GB)")
+    parser.add_argument("--to", choices=sorted(_FORMATS), default="hf",
+                        help="output format: hf (fp32 safetensors, the default), dcp (torch "
+                        "Distributed Checkpoint with optimizer state, for FSDP2/torchtitan)")
     return parser
+
+
+_FORMATS = {"hf", "dcp"}
 
 
 def consolidate_main(argv: Optional[list[str]] = None) -> int:
@@ -55,9 +61,13 @@ def consolidate_main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        written = convert_zero_checkpoint_to_fp32_state_dict(
-            args.checkpoint_dir, args.output_dir, tag=args.tag,
-            max_shard_size=args.max_shard_size)
+        if args.to == "dcp":
+            from .checkpoint.dcp import export_dcp
+            written = export_dcp(args.checkpoint_dir, args.output_dir, tag=args.tag)
+        else:
+            written = convert_zero_checkpoint_to_fp32_state_dict(
+                args.checkpoint_dir, args.output_dir, tag=args.tag,
+                max_shard_size=args.max_shard_size)
     except (CheckpointError, OSError) as exc:
         logger.error("zerotrain consolidate: %s", exc)
         return 1

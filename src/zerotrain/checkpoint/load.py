@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from ..records import FROZEN
-from . import client_state, deepspeed, fs, rng
+from . import client_state, dcp, deepspeed, fs, rng
 from .manifest import CheckpointError, file_identity_check, read_manifest
 from .match import check_group_values, check_groups, check_model
 from .reshard import SourceIndex, target_range
@@ -50,6 +50,12 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     the training state changes until every rank has read and checked everything (Note:
     stage, agree, commit); a load that raises leaves every tensor as it was.
     """
+    dcp_path = dcp.find_dcp_dir(load_dir, tag)
+    if dcp_path is not None:   # a torch DCP checkpoint (FSDP2), read by the DeepSpeed importer
+        return deepspeed.load_deepspeed_checkpoint(
+            state, dcp_path, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            source=lambda path: dcp.DcpCheckpoint(path, state.module))
     deepspeed_path = deepspeed.find_tag_dir(load_dir, tag)
     if deepspeed_path is not None:   # a DeepSpeed ZeRO checkpoint (docs/from-deepspeed.md)
         return deepspeed.load_deepspeed_checkpoint(

@@ -30,6 +30,7 @@ import torch
 
 from ..records import FROZEN
 from . import client_state, dcp, deepspeed, fs, rng
+from .deepspeed.universal import UniversalCheckpoint, find_universal_dir
 from .manifest import CheckpointError, file_identity_check, read_manifest
 from .match import check_group_values, check_groups, check_model
 from .reshard import SourceIndex, target_range
@@ -56,6 +57,12 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
             state, dcp_path, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             source=lambda path: dcp.DcpCheckpoint(path, state.module))
+    universal_path = find_universal_dir(load_dir, tag)
+    if universal_path is not None:   # ds_to_universal output, before DeepSpeed's own tags
+        return deepspeed.load_deepspeed_checkpoint(
+            state, universal_path, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            source=UniversalCheckpoint)
     deepspeed_path = deepspeed.find_tag_dir(load_dir, tag)
     if deepspeed_path is not None:   # a DeepSpeed ZeRO checkpoint (docs/from-deepspeed.md)
         return deepspeed.load_deepspeed_checkpoint(

@@ -56,7 +56,7 @@ def _snapshot_job(rank, world, root, stage):
                 _params(resumed), _params(engine)), "left": sorted(os.listdir(root))}
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_async_save_holds_the_state_at_the_call_and_resumes_exactly(worlds, tmp_path, stage):
     for res in worlds.run(2, _snapshot_job, str(tmp_path), stage):
         assert res["pending"] and res["reused"], res
@@ -152,7 +152,8 @@ def test_interpreter_exit_waits_for_the_save_in_flight(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["background", "latest"])
+@pytest.mark.parametrize("point", ["background"])   # "latest": fs.publish, shared with the
+#                                                      synchronous save and tested there
 def test_a_kill_during_the_background_write_leaves_latest_on_the_previous_tag(worlds, tmp_path,
                                                                              point):
     root = str(tmp_path)

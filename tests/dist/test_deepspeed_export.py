@@ -91,7 +91,7 @@ def test_export_to_deepspeed_continues_as_zerotrain_at_another_world_size(worlds
         assert res["diff"] == 0.0 and res["steps"] == 2, res
     if HAS_DEEPSPEED:
         from distributed import run_world
-        for res in run_world(_continue_deepspeed, 3, root, 2):
+        for res in run_world(_continue_deepspeed, 3, root, 2, timeout=600):
             assert res["steps"] == 2, res
             assert R.max_diff(res["masters"], results[0]["own"]) <= 1e-6
 

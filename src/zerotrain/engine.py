@@ -74,6 +74,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.optimizer = ZeroOptimizer(stage.optimizer)
         self.lr_scheduler = lr_scheduler
         self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
+        self._checkpoint_writer: Optional[checkpoint.BackgroundWriter] = None  # async saves
         self.training_dataloader = training_dataloader
         self.loss_scaler: LossScaling = loss_scaling(config.fp16)   # fp16, or no scaling
         self.global_rank = comm.rank
@@ -453,7 +454,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             data_loader=self.training_dataloader)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True) -> bool:
+                        client_state: Optional[dict] = None, save_latest: bool = True,
+                        async_save: Optional[bool] = None) -> bool:
         """Write checkpoint ``tag`` (default ``global_step<N>``; other values are named by
         ``str(tag)``, as in DeepSpeed) under ``save_dir``. Collective: every rank calls it.
         ``client_state``: JSON values, tensors, numpy arrays, tuples and
@@ -461,15 +463,32 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
 
         Gradients accumulated in an unfinished accumulation window are not saved; save
         after ``step()`` at a boundary for an exact resume.
+
+        ``async_save`` (default: ``checkpoint.writer.decoupled``): return once the state is
+        copied into host memory and write it in the background; at most one save is in
+        flight, and :meth:`wait_for_checkpoint` waits for it (docs/checkpoints.md).
         """
         if self.micro_steps % self.gradient_accumulation_steps() != 0:
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
         self.settle()
+        self.wait_for_checkpoint()
+        if async_save is None:
+            writer_config = self.config.checkpoint.writer
+            async_save = writer_config is not None and writer_config.decoupled
+        if async_save and self._checkpoint_writer is None:
+            self._checkpoint_writer = checkpoint.BackgroundWriter()
         self.last_checkpoint_report = checkpoint.save_checkpoint(
             self._training_state(), save_dir, tag=None if tag is None else str(tag),
-            client_state=client_state, save_latest=save_latest)
+            client_state=client_state, save_latest=save_latest,
+            writer=self._checkpoint_writer if async_save else None)
         return True
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight, if any; raise CheckpointError on every
+        rank if it failed (it was then not published). Collective: every rank calls it."""
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait(self.comm, debug=self.config.debug)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -485,6 +504,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         if self.inference_only:   # as in DeepSpeed: no optimizer, so only the weights
             load_optimizer_states = load_lr_scheduler_states = False
         self.settle()
+        self.wait_for_checkpoint()
         result = checkpoint.load_checkpoint(
             self._training_state(), load_dir, tag=None if tag is None else str(tag),
             load_optimizer_states=load_optimizer_states,

@@ -43,7 +43,19 @@ def build_parser(prog: str = "zerotrain consolidate") -> argparse.ArgumentParser
                         "names)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest output file, e.g. 5GB or 500MiB (default 5GB)")
+    parser.add_argument("--to", choices=sorted(_FORMATS), default="hf",
+                        help="output format: hf (fp32 safetensors, the default), dcp (torch "
+                        "Distributed Checkpoint with optimizer state, for FSDP2/torchtitan), "
+                        "deepspeed (a DeepSpeed ZeRO checkpoint; needs --stage and "
+                        "--world-size)")
+    parser.add_argument("--stage", type=int, default=None,
+                        help="--to deepspeed: the ZeRO stage of the DeepSpeed job (1 or 2)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--to deepspeed: the data-parallel world size of the DeepSpeed job")
     return parser
+
+
+_FORMATS = {"hf", "dcp", "deepspeed"}
 
 
 def consolidate_main(argv: Optional[list[str]] = None) -> int:
@@ -54,10 +66,21 @@ def consolidate_main(argv: Optional[list[str]] = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.to == "deepspeed") != (args.stage is not None and args.world_size is not None) \
+            or (args.to != "deepspeed" and (args.stage is not None or args.world_size is not None)):
+        parser.error("--stage and --world-size go together with --to deepspeed, and it needs both")
     try:
-        written = convert_zero_checkpoint_to_fp32_state_dict(
-            args.checkpoint_dir, args.output_dir, tag=args.tag,
-            max_shard_size=args.max_shard_size)
+        if args.to == "deepspeed":
+            from .checkpoint.deepspeed.write import export_deepspeed
+            written = export_deepspeed(args.checkpoint_dir, args.output_dir, stage=args.stage,
+                                       world_size=args.world_size, tag=args.tag)
+        elif args.to == "dcp":
+            from .checkpoint.dcp import export_dcp
+            written = export_dcp(args.checkpoint_dir, args.output_dir, tag=args.tag)
+        else:
+            written = convert_zero_checkpoint_to_fp32_state_dict(
+                args.checkpoint_dir, args.output_dir, tag=args.tag,
+                max_shard_size=args.max_shard_size)
     except (CheckpointError, OSError) as exc:
         logger.error("zerotrain consolidate: %s", exc)
         return 1

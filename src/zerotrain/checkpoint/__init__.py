@@ -6,7 +6,8 @@ checkpoint directory without any process group. See ``docs/checkpoints.md``.
 
 Modules: ``manifest`` (fields, JSON values, validation), ``stfile`` (safetensors writer and
 reader), ``fs`` (tags, ``latest``, atomic publication), ``reshard`` (element-range
-arithmetic), ``match`` (model vs checkpoint), ``save``, ``load``, ``rng``, ``consolidate``.
+arithmetic), ``match`` (model vs checkpoint), ``save``, ``writer`` (asynchronous save), ``load``, ``rng``,
+``consolidate``.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from .load import load_checkpoint
 from .manifest import CheckpointError
 from .save import save_checkpoint
 from .state import CheckpointReport, LoadResult, TrainingState
+from .writer import BackgroundWriter
 
 __all__ = [
-    "CheckpointError", "CheckpointReport", "LoadResult", "TrainingState",
+    "BackgroundWriter", "CheckpointError", "CheckpointReport", "LoadResult", "TrainingState",
     "convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
     "iter_fp32_tensors", "load_checkpoint", "save_checkpoint",
 ]

@@ -28,7 +28,8 @@ Note: crash points (tests only)
     ``ZEROTRAIN_CHECKPOINT_CRASH_AT=<point>`` makes the saving process SIGKILL itself at that
     point: ``file`` (after its first file is written into the temp directory), ``swap``
     (between moving an existing tag aside and moving the new one in), ``latest`` (after the
-    rename, before ``latest`` is rewritten). tests/dist/test_checkpoint.py uses it to check
+    rename, before ``latest`` is rewritten), ``background`` (an asynchronous save's writer
+    thread, after its rank file is written). tests/dist/test_checkpoint.py uses it to check
     that a save killed at any of these points leaves the previous checkpoint loadable.
 """
 from __future__ import annotations

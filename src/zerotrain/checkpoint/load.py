@@ -28,7 +28,8 @@ from typing import Any, Optional
 import torch
 
 from ..records import FROZEN
-from . import client_state, deepspeed, fs, rng
+from . import client_state, dcp, deepspeed, fs, rng
+from .deepspeed.universal import UniversalCheckpoint, find_universal_dir
 from .manifest import (LATEST_NAME, CheckpointError, check_tag, file_identity_check,
                        read_manifest, save_identity)
 from .match import (check_data_loader, check_group_values, check_groups, check_loss_scaler,
@@ -51,6 +52,18 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     the training state changes until every rank has read and checked everything (Note:
     stage, agree, commit); a load that raises leaves every tensor as it was.
     """
+    dcp_path = dcp.find_dcp_dir(load_dir, tag)
+    if dcp_path is not None:   # a torch DCP checkpoint (FSDP2), read by the DeepSpeed importer
+        return deepspeed.load_deepspeed_checkpoint(
+            state, dcp_path, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            source=lambda path: dcp.DcpCheckpoint(path, state.module))
+    universal_path = find_universal_dir(load_dir, tag)
+    if universal_path is not None:   # ds_to_universal output, before DeepSpeed's own tags
+        return deepspeed.load_deepspeed_checkpoint(
+            state, universal_path, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            source=UniversalCheckpoint)
     latest, is_deepspeed = _agreed_source(state.comm, load_dir, tag)
     if is_deepspeed:   # a DeepSpeed ZeRO checkpoint (docs/from-deepspeed.md)
         named = tag if tag is not None else latest

@@ -10,6 +10,10 @@ Order (all ranks call it; Note: atomic publication in ``fs.py``):
    parameters and buffers) and ``manifest.json``, then renames the tag into place and
    rewrites ``latest``;
 5. a last gather of rank 0's outcome, so every rank returns (or raises) together.
+
+An asynchronous save (``writer``) does steps 1-2, copies what steps 3-4 write into the
+writer's staging buffer and returns; the writer's thread does 3-4, with marker files in
+place of the second gather and no third one (Note: asynchronous save in ``writer.py``).
 """
 from __future__ import annotations
 
@@ -23,10 +27,13 @@ import torch
 
 from . import client_state as client
 from . import fs, rng
+from . import writer as writer_mod
 from .manifest import (FORMAT, MANIFEST_NAME, MODULE_FILE, VERSION, CheckpointError,
                        check_tag, to_json)
 from .state import COUNTERS, CheckpointReport, TrainingState, shard_rank, writes_record
 from .stfile import TensorSpec, dtype_name, fsync_dir, specs_of, write_file
+from .writer import BackgroundWriter
+from ..comm import group_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -36,23 +43,30 @@ def rank_file(rank: int) -> str:
 
 
 def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] = None,
-                    client_state: Optional[dict] = None,
-                    save_latest: bool = True) -> CheckpointReport:
+                    client_state: Optional[dict] = None, save_latest: bool = True,
+                    writer: Optional[BackgroundWriter] = None) -> CheckpointReport:
     """Write checkpoint ``tag`` (default ``global_step<N>``) under ``save_dir``.
 
     Collective: every rank calls it with the same tag. ``client_state`` (rank 0's is
     kept) holds what ``client_state.py`` supports; anything else raises CheckpointError
-    naming its key path, on every rank, before anything is written.
+    naming its key path, on every rank, before anything is written. With ``writer`` the
+    save returns once this rank's state is copied into the writer's staging buffer, and the
+    files are written and published in the background (Note: asynchronous save in
+    ``writer.py``); the caller has waited for the writer's previous save.
     """
+    handed_over = False
     try:
-        return _save(state, save_dir, tag=tag, client_state=client_state,
-                     save_latest=save_latest)
+        report, handed_over = _save(state, save_dir, tag=tag, client_state=client_state,
+                                    save_latest=save_latest, writer=writer)
+        return report
     finally:
-        fs.unlock(save_dir)   # rank 0's save lock, taken in fs.prepare
+        if not handed_over:
+            fs.unlock(save_dir)   # rank 0's save lock, taken in fs.prepare
 
 
 def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
-          client_state: Optional[dict], save_latest: bool) -> CheckpointReport:
+          client_state: Optional[dict], save_latest: bool,
+          writer: Optional[BackgroundWriter]) -> tuple[CheckpointReport, bool]:
     start = time.perf_counter()
     comm = state.comm
     tag = f"global_step{state.counters['global_steps']}" if tag is None else tag
@@ -60,13 +74,17 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     local: dict[str, Any] = {"tag": tag, "error": None, "nonce": None, "records": []}
     small: dict = {}
     client_tensors: dict[str, torch.Tensor] = {}
+    module_part: tuple = ({}, [], [])
+    manifest: dict = {}
     try:
         check_tag(tag)
         local["records"] = [_record_meta(r) for r in records]
         for record in records:
             shard_rank(record.layout, comm)   # a layout checkpoints cannot map raises here
         small, client_tensors = _small_state(state, client_state)
-        if comm.rank == 0:
+        if comm.rank == 0:   # rank 0's records are everyone's (checked by _raise_first)
+            module_part = _module_tensors(state.module, local["records"])
+            manifest = _manifest(state, tag, local["records"], small)
             fs.require_dir(save_dir)
             local["nonce"] = fs.new_nonce()
             fs.prepare(save_dir, tag, local["nonce"])
@@ -75,17 +93,23 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     everyone = comm.all_gather_object(local, label="checkpoint save: metadata")
     _raise_first(everyone)
     tmp = fs.temp_dir(save_dir, tag, everyone[0]["nonce"])
+    if writer is not None:
+        return _save_in_background(state, writer, save_dir, tmp, tag, records, everyone,
+                                   client_tensors, save_latest, module_part, manifest,
+                                   start), True
     outcome: dict[str, Any] = {"error": None, "size": 0}
     try:
-        outcome["size"] = _write_rank_file(tmp, state, records, everyone[0]["nonce"])
+        items, rng_meta = _rank_items(state, records)
+        outcome["size"] = _write_rank_file(tmp, comm.rank, items, rng_meta,
+                                           everyone[0]["nonce"])
         fs.crash_point("file")
     except (CheckpointError, OSError) as exc:
         outcome["error"] = f"rank {comm.rank}: {exc}"
     written = comm.all_gather_object(outcome, label="checkpoint save: files written")
     final: dict[str, Any] = {"error": None, "bytes": 0, "path": None}
     if comm.rank == 0:
-        final = _finish_on_rank0(state, save_dir, tmp, tag, everyone, written, small,
-                                 client_tensors, save_latest)
+        final = _finish_on_rank0(save_dir, tmp, tag, everyone, written, client_tensors,
+                                 save_latest, module_part, manifest)
         fs.unlock(save_dir)   # before the last gather: ranks return to a settled directory
     final = comm.all_gather_object(final, label="checkpoint save: publication")[0]
     if final["error"]:
@@ -94,7 +118,68 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
                               bytes_written=outcome["size"] + final["bytes"])
     logger.info("saved checkpoint %s (%d bytes on rank 0) in %.3f s", final["path"],
                 report.bytes_written, report.seconds)
-    return report
+    return report, False
+
+
+def _save_in_background(state: TrainingState, writer: BackgroundWriter, save_dir: str,
+                        tmp: str, tag: str, records, everyone: list[dict],
+                        client_tensors: dict[str, torch.Tensor], save_latest: bool,
+                        module_part: tuple, manifest: dict, start: float) -> CheckpointReport:
+    """Stage this rank's state in the writer's buffer and hand the writing to its thread
+    (Note: asynchronous save). Everything taken from the live job is taken here."""
+    comm = state.comm
+    nonce = everyone[0]["nonce"]
+    items, rng_meta = _rank_items(state, records)
+    if comm.rank == 0:
+        items += [(f"module/{k}", t) for k, t in module_part[0].items()]
+        items += [(f"client/{k}", t) for k, t in client_tensors.items()]
+    staged = writer.buffer.stage(items)
+    own = [(key, staged[key]) for key, _ in items
+           if not key.startswith(("module/", "client/"))]
+    if comm.rank == 0:
+        module_part = ({k: staged[f"module/{k}"] for k in module_part[0]}, *module_part[1:])
+        client_tensors = {k: staged[f"client/{k}"] for k in client_tensors}
+    world, rank = comm.world_size, comm.rank
+    timeout = _publication_timeout(comm)
+
+    def job(abandon) -> None:
+        try:
+            size = _write_rank_file(tmp, rank, own, rng_meta, nonce)
+            fs.crash_point("background")
+            writer_mod.write_marker(tmp, rank, size, None)
+        except (CheckpointError, OSError) as exc:
+            writer_mod.write_marker(tmp, rank, 0, f"rank {rank}: {exc}")
+            if rank != 0:
+                raise
+        if rank != 0:
+            return
+        try:
+            written = writer_mod.wait_markers(tmp, world, abandon, timeout)
+            final = _finish_on_rank0(save_dir, tmp, tag, everyone, written, client_tensors,
+                                     save_latest, module_part, manifest)
+        except CheckpointError:
+            fs.remove_quietly(tmp)
+            raise
+        finally:
+            fs.unlock(save_dir)
+        if final["error"]:
+            raise CheckpointError(final["error"])
+        logger.info("saved checkpoint %s in the background", final["path"])
+
+    writer.start(job, f"{os.path.join(save_dir, tag)}")
+    seconds = time.perf_counter() - start
+    logger.info("checkpoint %s staged in %.3f s; writing in the background",
+                os.path.join(save_dir, tag), seconds)
+    return CheckpointReport(path=os.path.join(save_dir, tag), seconds=seconds)
+
+
+def _publication_timeout(comm) -> float:
+    """How long rank 0's writer waits for the other ranks' files: the group's timeout."""
+    try:
+        timeout = group_timeout(comm.group)
+    except (AttributeError, RuntimeError, ValueError):
+        timeout = None
+    return 1800.0 if timeout is None else timeout.total_seconds()
 
 
 def _raise_first(everyone: list[dict]) -> None:
@@ -115,9 +200,12 @@ def _structure(metas: list[dict]) -> list:
     return [(m["names"], m["shapes"], m["layout"], m["group_index"]) for m in metas]
 
 
-def _finish_on_rank0(state: TrainingState, save_dir: str, tmp: str, tag: str,
-                     everyone: list[dict], written: list[dict], small: dict,
-                     client_tensors: dict[str, torch.Tensor], save_latest: bool) -> dict:
+def _finish_on_rank0(save_dir: str, tmp: str, tag: str, everyone: list[dict],
+                     written: list[dict], client_tensors: dict[str, torch.Tensor],
+                     save_latest: bool, module_part: tuple, manifest: dict) -> dict:
+    """Rank 0, once every rank has written its file: the module file, the client state,
+    the manifest, then publication. ``module_part``: :func:`_module_tensors`'s result;
+    ``manifest``: :func:`_manifest`'s, to which the file sizes are added here."""
     errors = [w["error"] for w in written if w["error"]]
     if errors:
         fs.remove_quietly(tmp)
@@ -125,12 +213,12 @@ def _finish_on_rank0(state: TrainingState, save_dir: str, tmp: str, tag: str,
     try:
         sizes = {rank_file(r): w["size"] for r, w in enumerate(written)}
         save_id = everyone[0]["nonce"]
-        frozen, buffers, sizes[MODULE_FILE] = _write_module_file(tmp, state.module,
-                                                                 everyone[0]["records"], save_id)
+        tensors, frozen, buffers = module_part
+        sizes[MODULE_FILE] = _write_module_file(tmp, tensors, save_id)
+        manifest = {**manifest, "file_sizes": sizes}
         if client_tensors:
             sizes[client.FILE] = client.write(tmp, client_tensors, save_id)
-            small = {**small, "client_state_file": client.FILE}
-        manifest = _manifest(state, tag, everyone[0]["records"], sizes, small)
+            manifest["client_state_file"] = client.FILE
         manifest.update(frozen=frozen, buffers=buffers, save_id=save_id)
         nbytes = _write_json(os.path.join(tmp, MANIFEST_NAME), manifest)
         path = fs.publish(save_dir, tmp, tag, everyone[0]["nonce"], save_latest=save_latest)
@@ -164,9 +252,9 @@ def _record_meta(record) -> dict:
             "state_tensors": tensors, "state_scalars": scalars, "state_none": nones}
 
 
-def _write_rank_file(tmp: str, state: TrainingState, records, save_id: str) -> int:
-    """This rank's master shards and optimizer state (records it writes) and its RNG;
-    ``save_id`` (the manifest's too) ties the file to this save."""
+def _rank_items(state: TrainingState, records) -> tuple[list[tuple[str, torch.Tensor]], str]:
+    """This rank's master shards and optimizer state (records it writes) and its RNG, as
+    (key, live tensor) pairs, and the RNG's JSON."""
     items: list[tuple[str, torch.Tensor]] = []
     for i, record in enumerate(records):
         if not writes_record(record.layout, state.comm):
@@ -175,18 +263,25 @@ def _write_rank_file(tmp: str, state: TrainingState, records, save_id: str) -> i
         items += [(f"rec{i}/{key}", value) for key, value in record.optimizer_state.items()
                   if isinstance(value, torch.Tensor) and value.dim() > 0]
     rng_tensors, rng_meta = rng.capture()
-    items += list(rng_tensors.items())
+    return items + list(rng_tensors.items()), rng_meta
+
+
+def _write_rank_file(tmp: str, rank: int, items: list[tuple[str, torch.Tensor]],
+                     rng_meta: str, save_id: str) -> int:
+    """Write :func:`_rank_items`' tensors; ``save_id`` (the manifest's too) ties the file to
+    this save."""
     by_key = dict(items)
-    meta = {"format": FORMAT, "rank": str(state.comm.rank), "rng": rng_meta, "save": save_id}
-    size = write_file(os.path.join(tmp, rank_file(state.comm.rank)), specs_of(items),
+    meta = {"format": FORMAT, "rank": str(rank), "rng": rng_meta, "save": save_id}
+    size = write_file(os.path.join(tmp, rank_file(rank)), specs_of(items),
                       lambda spec: by_key[spec.key].detach(), metadata=meta)
     fsync_dir(tmp)   # this rank's directory entry, also where rank 0 is on another node
     return size
 
 
-def _write_module_file(tmp: str, module: torch.nn.Module, metas: list[dict],
-                       save_id: str) -> tuple[list, list, int]:
-    """Frozen parameters (those in no record) and persistent buffers, as they are."""
+def _module_tensors(module: torch.nn.Module,
+                    metas: list[dict]) -> tuple[dict[str, torch.Tensor], list, list]:
+    """Frozen parameters (those in no record) and persistent buffers, as they are (live
+    tensors), with their manifest entries."""
     in_records = {name for meta in metas for name in meta["names"]}
     persistent = set(module.state_dict(keep_vars=True).keys())
     tensors: dict[str, torch.Tensor] = {}
@@ -203,10 +298,13 @@ def _write_module_file(tmp: str, module: torch.nn.Module, metas: list[dict],
             tensors[key] = tensor.detach()
             out.append({"name": name, "key": key, "shape": list(tensor.shape),
                         "dtype": dtype_name(tensor.dtype)})
+    return tensors, frozen, buffers
+
+
+def _write_module_file(tmp: str, tensors: dict[str, torch.Tensor], save_id: str) -> int:
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    size = write_file(os.path.join(tmp, MODULE_FILE), specs, lambda s: tensors[s.key],
+    return write_file(os.path.join(tmp, MODULE_FILE), specs, lambda s: tensors[s.key],
                       metadata={"format": FORMAT, "save": save_id})
-    return frozen, buffers, size
 
 
 # --------------------------------------------------------------------------- JSON state
@@ -241,8 +339,8 @@ def _hf_config(module: torch.nn.Module) -> Optional[dict]:
         return None
 
 
-def _manifest(state: TrainingState, tag: str, metas: list[dict], sizes: dict,
-              small: dict) -> dict:
+def _manifest(state: TrainingState, tag: str, metas: list[dict], small: dict) -> dict:
+    """Everything of the manifest but the file sizes (known once the files are written)."""
     records = []
     for i, meta in enumerate(metas):
         world = meta["layout"]["world"]
@@ -256,8 +354,7 @@ def _manifest(state: TrainingState, tag: str, metas: list[dict], sizes: dict,
             "records": records, "param_dtypes": param_dtypes,
             "state_dict_order": list(state.module.state_dict(keep_vars=True).keys()),
             "module_file": MODULE_FILE,
-            "rank_files": [rank_file(r) for r in range(state.comm.world_size)],
-            "file_sizes": sizes, **small}
+            "rank_files": [rank_file(r) for r in range(state.comm.world_size)], **small}
 
 
 def _write_json(path: str, value: dict) -> int:

@@ -61,7 +61,8 @@ _UNIMPLEMENTED_NAMES = {
         double_buffer symmetric_memory dump_graphs debug_log offload_parameters
         sync_before_reduce sync_after_reduce sync_before_allgather sync_after_allgather
         keep_int_input_tensors keep_all_input_tensors""",
-    "checkpoint": "tag_validation load_universal use_node_local_storage parallel_write writer",
+    "checkpoint": "tag_validation load_universal use_node_local_storage parallel_write",
+    "checkpoint.writer": "type io_buffer_size io_buffer_double show_statistics data_parallel",
 }
 UNIMPLEMENTED_KEYS: Dict[str, FrozenSet[str]] = {
     section: frozenset(names.split()) for section, names in _UNIMPLEMENTED_NAMES.items()}

@@ -13,11 +13,20 @@ from pydantic import Field
 from .fields import NonNegative, PrecisionName, Size, _Section
 
 
+class CheckpointWriterConfig(_Section):
+    """DeepSpeed's ``checkpoint.writer``: ``decoupled`` makes every ``save_checkpoint`` an
+    asynchronous save (it returns once the state is staged in host memory; docs/checkpoints.md);
+    DeepSpeed's I/O tuning keys (``type``, ``io_buffer_size`` ...) are accepted and ignored."""
+
+    decoupled: bool = False
+
+
 class CheckpointConfig(_Section):
     """``auto_resume``: a save directory; when it holds a ``latest`` tag, ``initialize`` loads
     it, so a job restarted by torchrun continues where the last complete save left off."""
 
     auto_resume: Optional[str] = None
+    writer: Optional[CheckpointWriterConfig] = None
 
 
 class FP16Config(_Section):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,9 +36,11 @@ logger = logging.getLogger(__name__)
 def load_deepspeed_checkpoint(state: TrainingState, path: str, *,
                               load_optimizer_states: bool = True,
                               load_lr_scheduler_states: bool = True,
-                              load_module_only: bool = False) -> LoadResult:
+                              load_module_only: bool = False,
+                              source: Optional[Callable[[str], Any]] = None) -> LoadResult:
     """Load DeepSpeed tag directory ``path`` into ``state``. Collective; a load that raises
-    leaves every tensor, hyperparameter and counter as it was."""
+    leaves every tensor, hyperparameter and counter as it was. ``source(path)`` opens another
+    format with :class:`DeepSpeedCheckpoint`'s reading methods (DCP, Universal)."""
     start = time.perf_counter()
     with_optimizer = load_optimizer_states and not load_module_only
     staged: Optional[_Staged] = None
@@ -46,7 +48,7 @@ def load_deepspeed_checkpoint(state: TrainingState, path: str, *,
     try:
         staged = _stage(state, path, with_optimizer=with_optimizer,
                         with_small=not load_module_only,
-                        with_scheduler=load_lr_scheduler_states)
+                        with_scheduler=load_lr_scheduler_states, source=source)
     except Exception as exc:  # noqa: BLE001 - re-raised after every rank agrees
         failure = exc
     _agree(state, failure, path, identity=staged.identity if staged is not None else 0)
@@ -56,8 +58,9 @@ def load_deepspeed_checkpoint(state: TrainingState, path: str, *,
     report = CheckpointReport(path=path, seconds=time.perf_counter() - start,
                               elements_read=staged.elements, bytes_read=4 * staged.elements,
                               files_opened=staged.files_opened)
-    logger.info("loaded DeepSpeed ZeRO-%d checkpoint %s (saved at world size %d) in %.3f s",
-                staged.stage, path, staged.world, report.seconds)
+    logger.info("loaded %s checkpoint %s (saved at world size %d) in %.3f s",
+                staged.what or f"DeepSpeed ZeRO-{staged.stage}", path, staged.world,
+                report.seconds)
     return LoadResult(path, staged.client_state, staged.counters, report)
 
 
@@ -78,9 +81,10 @@ class _Staged:
     counters: Optional[dict] = None
     client_state: Any = None
     identity: int = 0
+    what: str = ""
 
 
-def _stage(state: TrainingState, path: str, **kwargs: bool) -> _Staged:
+def _stage(state: TrainingState, path: str, **kwargs: Any) -> _Staged:
     """Read and check everything this rank will load, changing nothing; a field of the wrong
     type or size anywhere becomes a CheckpointError naming the tag."""
     try:
@@ -93,14 +97,15 @@ def _stage(state: TrainingState, path: str, **kwargs: bool) -> _Staged:
 
 
 def _stage_checked(state: TrainingState, path: str, *, with_optimizer: bool,
-                   with_small: bool, with_scheduler: bool) -> _Staged:
-    ckpt = DeepSpeedCheckpoint(path)
+                   with_small: bool, with_scheduler: bool,
+                   source: Optional[Callable[[str], Any]] = None) -> _Staged:
+    ckpt = DeepSpeedCheckpoint(path) if source is None else source(path)
     records = state.stage.shard_records() + state.stage.frozen_records()
     check_model(ckpt, state.module, records)
     if with_optimizer:
         _check_optimizer(ckpt, state, records)
     staged = _Staged(stage=ckpt.stage, world=ckpt.world, files_opened=len(ckpt.optim_files) + 1,
-                     identity=ckpt.identity())
+                     identity=ckpt.identity(), what=getattr(ckpt, "what", ""))
     for record in records:
         _stage_record(state, ckpt, record, staged, with_optimizer=(
             with_optimizer and record.group_index != FROZEN))

@@ -1,0 +1,215 @@
+"""The asynchronous save's two halves: a reused staging buffer and one background writer.
+
+Note: asynchronous save
+    ``save_checkpoint(..., writer=...)`` does the collective part of a save in the training
+    thread (the metadata gather, rank 0's temp directory and lock), copies everything the
+    save writes into :class:`StagingBuffer` (host memory, pinned when the tensors live on a
+    GPU) and returns. :class:`BackgroundWriter` then writes the rank file from the copy on
+    one thread, and rank 0's thread publishes the tag with the synchronous save's atomic
+    protocol (Note: atomic publication in ``fs.py``). The threads never call a collective:
+    each rank reports through a small marker file in the temp directory
+    (:func:`write_marker`), which rank 0 waits for (:func:`wait_markers`).
+
+    At most one save is in flight: the buffer is reused, so a new save (or a load) first
+    waits for the previous one (:meth:`BackgroundWriter.wait`, collective, which also raises
+    on every rank the first error any rank's writer met). At interpreter exit an unfinished
+    save is waited for; interrupted again (a second Ctrl-C), it is abandoned: rank 0 removes
+    the temp directory and never publishes. A process killed meanwhile leaves only a
+    ``.tmp-`` directory, which loading and auto-resume never look at and the next save
+    deletes, so ``latest`` still names the previous complete tag.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from .manifest import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64   # every staged tensor starts on a 64-byte boundary
+MARKER_SUFFIX = ".written"
+
+
+class StagingBuffer:
+    """One host buffer every save copies into, grown only when a save needs more.
+
+    Pinned when a staged tensor is on a GPU (copies then run at full PCIe speed); the bytes
+    it holds are what the background writer writes, so it is reused only after the previous
+    save's writer is done (:class:`BackgroundWriter` guarantees it)."""
+
+    def __init__(self) -> None:
+        self._storage: Optional[torch.Tensor] = None
+        self._pinned = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._storage is None else self._storage.numel()
+
+    def stage(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Copy ``items`` into the buffer; returns views with the same keys, dtypes, shapes."""
+        offsets, total = [], 0
+        for _, tensor in items:
+            offsets.append(total)
+            total += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+        pin = torch.cuda.is_available() and any(t.is_cuda for _, t in items)
+        if self._storage is None or self.nbytes < total or (pin and not self._pinned):
+            self._storage = None   # let the old buffer go before the new one is allocated
+            self._storage = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+            self._pinned = pin
+        staged: dict[str, torch.Tensor] = {}
+        for (key, tensor), offset in zip(items, offsets):
+            nbytes = tensor.numel() * tensor.element_size()
+            view = self._storage[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.detach(), non_blocking=pin)
+            staged[key] = view
+        if pin:
+            torch.cuda.synchronize()   # the writer thread reads these bytes
+        return staged
+
+
+class BackgroundWriter:
+    """Runs one save's writing on a thread; at most one at a time (Note: asynchronous save)."""
+
+    def __init__(self) -> None:
+        self.buffer = StagingBuffer()
+        self.abandon = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[str] = None
+        self._what = ""
+        self._pending = False
+        _live.add(self)
+
+    @property
+    def pending(self) -> bool:
+        """A save was started and its outcome not yet collected by :meth:`wait`."""
+        return self._pending
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, job: Callable[[threading.Event], None], what: str) -> None:
+        """Run ``job(abandon)`` on the writer thread; the caller has waited for the last."""
+        if self._pending:
+            raise CheckpointError("a checkpoint save is already in flight; wait for it first")
+        self._error, self._what, self._pending = None, what, True
+        self.abandon.clear()
+        self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                        name="zerotrain-checkpoint-writer")
+        self._thread.start()
+
+    def _run(self, job: Callable[[threading.Event], None]) -> None:
+        try:
+            job(self.abandon)
+        except (CheckpointError, OSError) as exc:
+            self._error = str(exc)
+            logger.error("background checkpoint save of %s failed: %s", self._what, exc)
+        except BaseException as exc:   # never lose a failure on a thread nobody joins
+            self._error = f"{type(exc).__name__}: {exc}"
+            logger.exception("background checkpoint save of %s failed", self._what)
+
+    def join(self) -> Optional[str]:
+        """Wait for this rank's writer (not collective); its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._error
+
+    def wait(self, comm, *, debug: bool = False) -> None:
+        """Collective: every rank waits for its writer, then all raise the first error any
+        rank's writer met (the same message everywhere). A no-op when nothing is pending."""
+        if not self._pending:
+            return
+        if self.in_flight and debug:
+            logger.info("waiting for the checkpoint save of %s still in flight", self._what)
+        error = self.join()
+        self._pending = False
+        outcome = {"error": None if error is None else f"rank {comm.rank}: {error}"}
+        everyone = comm.all_gather_object(outcome, label="checkpoint save: background writers")
+        errors = [e["error"] for e in everyone if e["error"]]
+        if errors:
+            raise CheckpointError(f"the background checkpoint save of {self._what} failed "
+                                  f"and was not published: {errors[0]}")
+
+    def close_at_exit(self) -> None:
+        """Interpreter exit: wait for an unfinished save; a second interrupt abandons it."""
+        if not self.in_flight:
+            return
+        logger.warning("waiting for the checkpoint save of %s to finish before exiting "
+                       "(interrupt again to abandon it; it is then never published)",
+                       self._what)
+        try:
+            self.join()
+        except KeyboardInterrupt:
+            self.abandon.set()
+            logger.warning("abandoning the checkpoint save of %s", self._what)
+            if self._thread is not None:
+                self._thread.join(timeout=60)
+
+
+_live: "weakref.WeakSet[BackgroundWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for writer in list(_live):
+        writer.close_at_exit()
+
+
+# --------------------------------------------------------------------------- markers
+def marker_name(rank: int) -> str:
+    return f".rank{rank:05d}{MARKER_SUFFIX}"
+
+
+def write_marker(tmp: str, rank: int, size: int, error: Optional[str]) -> None:
+    """Tell rank 0 this rank's file is written (``size`` bytes) or why it is not; the marker
+    appears at once (written aside, then renamed), so rank 0 never reads half of one."""
+    path = os.path.join(tmp, marker_name(rank))
+    with open(path + ".part", "w", encoding="utf-8") as f:
+        json.dump({"size": size, "error": error}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+
+
+def wait_markers(tmp: str, world: int, abandon: threading.Event,
+                 timeout: float) -> list[dict]:
+    """Rank 0: every rank's marker, in rank order, once all are there. Raises CheckpointError
+    when abandoned or when a rank has not reported within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    found: dict[int, dict] = {}
+    delay = 0.001
+    while len(found) < world:
+        for rank in range(world):
+            if rank in found:
+                continue
+            try:
+                with open(os.path.join(tmp, marker_name(rank)), encoding="utf-8") as f:
+                    found[rank] = json.load(f)
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError) as exc:
+                found[rank] = {"size": 0, "error": f"unreadable marker: {exc}"}
+        if len(found) == world:
+            break
+        if abandon.is_set():
+            raise CheckpointError("abandoned at interpreter exit before every rank had "
+                                  "written its file")
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world)) - set(found))
+            raise CheckpointError(f"ranks {missing} did not finish writing their files into "
+                                  f"{tmp} within {timeout:g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    for rank in range(world):
+        os.remove(os.path.join(tmp, marker_name(rank)))
+    return [found[rank] for rank in range(world)]

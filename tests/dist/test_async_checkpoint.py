@@ -1,0 +1,166 @@
+"""Asynchronous checkpoint save: a snapshot that training cannot disturb, one save in flight,
+errors on every rank, exit waits, and a kill during the background write leaves the
+previous tag as ``latest`` (real SIGKILL, fresh processes)."""
+import os
+
+import pytest
+import torch
+
+import reference as R
+from distributed import run_world
+
+ASYNC = {"checkpoint": {"writer": {"decoupled": True, "type": "fast"}}}
+
+
+def _engine(stage=2, seed=0, **extra):
+    import zerotrain
+    config = {**R.engine_config(stage=stage), **extra}
+    engine, _, _, _ = zerotrain.initialize(model=R.make_model(seed), config=config)
+    return engine
+
+
+def _train(engine, rank, first, steps):
+    for step in range(first, first + steps):
+        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        engine.step()
+
+
+def _params(engine):
+    import zerotrain
+    params = list(engine.module.parameters())
+    with zerotrain.zero.GatheredParameters(params):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def _snapshot_job(rank, world, root, stage):
+    """Save in the background while training goes on; the checkpoint holds the state at the
+    call, and resuming from it continues exactly as the original did."""
+    engine = _engine(stage, **ASYNC)   # the config switch, not the argument
+    _train(engine, rank, 0, 2)
+    at_save = _params(engine)
+    engine.save_checkpoint(root, tag="first")
+    writer = engine._checkpoint_writer
+    pending = writer is not None and writer.pending
+    _train(engine, rank, 2, 2)          # mutates the masters the save was taken from
+    buffer_ptr = writer.buffer._storage.data_ptr()
+    engine.save_checkpoint(root, tag="second", async_save=True)   # waits for "first"
+    reused = writer.buffer._storage.data_ptr() == buffer_ptr
+    engine.wait_for_checkpoint()
+    _train(engine, rank, 4, 2)
+    resumed = _engine(stage, seed=3)
+    resumed.load_checkpoint(root, tag="first")
+    loaded = _params(resumed)
+    _train(resumed, rank, 2, 4)
+    return {"pending": pending, "reused": reused, "latest": open(os.path.join(root, "latest")).read(),
+            "at_save": R.max_diff(loaded, at_save), "continued": R.max_diff(
+                _params(resumed), _params(engine)), "left": sorted(os.listdir(root))}
+
+
+@pytest.mark.parametrize("stage", [3])
+def test_async_save_holds_the_state_at_the_call_and_resumes_exactly(worlds, tmp_path, stage):
+    for res in worlds.run(2, _snapshot_job, str(tmp_path), stage):
+        assert res["pending"] and res["reused"], res
+        assert res["at_save"] == 0.0 and res["continued"] == 0.0, res
+        assert res["latest"] == "second" and res["left"] == ["first", "latest", "second"], res
+
+
+def _failing_job(rank, world, root):
+    from zerotrain.checkpoint import CheckpointError, save
+    engine = _engine(1)
+    _train(engine, rank, 0, 1)
+    engine.save_checkpoint(root, tag="good", async_save=True)
+    engine.wait_for_checkpoint()
+    real = save._write_rank_file
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        save._write_rank_file = broken
+    try:
+        engine.save_checkpoint(root, tag="bad", async_save=True)
+        try:
+            engine.wait_for_checkpoint()
+            message = None
+        except CheckpointError as exc:
+            message = str(exc)
+    finally:
+        save._write_rank_file = real
+    engine.comm.barrier()
+    return {"message": message, "latest": open(os.path.join(root, "latest")).read(),
+            "left": sorted(n for n in os.listdir(root) if not n.startswith(".tmp-"))}
+
+
+def test_a_failed_background_write_raises_on_every_rank_and_publishes_nothing(worlds,
+                                                                                tmp_path):
+    for res in worlds.run(2, _failing_job, str(tmp_path)):
+        assert res["message"] and "rank 1" in res["message"], res
+        assert "No space left" in res["message"] and "not published" in res["message"], res
+        assert res["latest"] == "good" and res["left"] == ["good", "latest"], res
+
+
+def _slow_markers():
+    from zerotrain.checkpoint import writer
+    real = writer.write_marker
+
+    def slow(*args, **kwargs):
+        import time
+        time.sleep(1.0)
+        real(*args, **kwargs)
+    writer.write_marker = slow
+
+
+def _exit_job(rank, world, root):
+    engine = _engine(2)
+    _train(engine, rank, 0, 1)
+    _slow_markers()
+    engine.save_checkpoint(root, tag="at_exit", async_save=True)
+    return engine._checkpoint_writer.in_flight   # the process exits with the save unfinished
+
+
+def _crash_job(rank, world, root, point):
+    from zerotrain.checkpoint.fs import CRASH_ENV
+    engine = _engine(1)
+    _train(engine, rank, 0, 2)
+    engine.save_checkpoint(root, tag="good", async_save=True)
+    engine.wait_for_checkpoint()
+    torch.save(_params(engine), os.path.join(root, "expected.pt"))
+    _train(engine, rank, 2, 1)
+    os.environ[CRASH_ENV] = point
+    _slow_markers()
+    engine.save_checkpoint(root, tag="next", async_save=True)
+    _train(engine, rank, 3, 50)         # training goes on until the writer kills the process
+    engine.wait_for_checkpoint()
+    return "survived"
+
+
+def _resume_job(rank, world, root):
+    import zerotrain
+    from zerotrain.checkpoint import fs
+    config = {**R.engine_config(stage=2), "checkpoint": {"auto_resume": root}}
+    engine, _, _, _ = zerotrain.initialize(model=R.make_model(5), config=config)
+    expected = torch.load(os.path.join(root, "expected.pt"))
+    candidates, _ = fs.resume_candidates(root)
+    return {"diff": R.max_diff(_params(engine), expected), "steps": engine.global_steps,
+            "candidates": candidates}
+
+
+@pytest.mark.slow
+def test_interpreter_exit_waits_for_the_save_in_flight(tmp_path):
+    root = str(tmp_path)
+    assert run_world(_exit_job, 2, root) == [True, True]
+    assert open(os.path.join(root, "latest")).read() == "at_exit"
+    assert sorted(os.listdir(root)) == ["at_exit", "latest"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["background"])   # "latest": fs.publish, shared with the
+#                                                      synchronous save and tested there
+def test_a_kill_during_the_background_write_leaves_latest_on_the_previous_tag(worlds, tmp_path,
+                                                                             point):
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError, match="died without a result.*SIGKILL"):
+        run_world(_crash_job, 2, root, point)
+    assert open(os.path.join(root, "latest")).read() == "good"
+    for res in worlds.run(2, _resume_job, root):
+        assert res["diff"] == 0.0 and res["steps"] == 2, res
+        assert all(not c.startswith(".") for c in res["candidates"]), res
+        assert res["candidates"][0] == "good", res

@@ -48,6 +48,7 @@ from .engine_reports import EngineReports, reach_totals
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from .optim import InferenceOnlyOptimizer, ZeroOptimizer
+from .optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage
 from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
@@ -70,7 +71,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.comm = comm
         self.stage = stage
         self.policy = policy
-        self.optimizer = ZeroOptimizer(stage.optimizer)
+        self.optimizer = ZeroOptimizer(stage.optimizer, deepspeed_kinds(config))
         self.lr_scheduler = lr_scheduler
         self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
         self.training_dataloader = training_dataloader
@@ -94,15 +95,19 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._comm_mark = (self.global_steps, reach_totals(comm.ledger))
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
         self._compilation: Optional[Compilation] = None
+        self._auto_cast = ((config.fp16.enabled and config.fp16.auto_cast)
+                           or (config.bf16.enabled and config.bf16.auto_cast))
         if not self.inference_only or config.zero_optimization.stage == 3:
             claim(stage, module)   # Note: one open engine per model
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
     def forward(self, *args, **kwargs):
-        """Run the module, casting floating inputs to the parameter dtype."""
+        """Run the module; floating inputs are cast to the parameter dtype only when
+        ``fp16.auto_cast`` (DeepSpeed's) or ``bf16.auto_cast`` (zerotrain's opt-in) is set,
+        and otherwise reach the module as given, as in DeepSpeed."""
         with self._timers.time("forward"):
-            if self.policy.param_dtype != torch.float32:
+            if self._auto_cast:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
             return self.module(*args, **kwargs)
 

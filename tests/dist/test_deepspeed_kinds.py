@@ -1,0 +1,63 @@
+"""What DeepSpeed code asks of an engine: which optimizer class it got, what dtype its
+inputs arrive in (DeepSpeed casts them only with fp16.auto_cast)."""
+import torch
+from torch import nn
+
+import reference as R
+
+
+class _Recorder(nn.Module):
+    """Records the dtype its input arrives in; the loss is computed in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(R.IN, R.OUT)
+        self.seen = []
+
+    def forward(self, x, y):
+        self.seen.append(x.dtype)
+        return (self.lin(x.to(self.lin.weight.dtype)).float() - y.float()).pow(2).mean()
+
+
+def _engines(rank, world):
+    import zerotrain
+    from zerotrain.optim_kinds import (BF16_Optimizer, DeepSpeedZeroOptimizer,
+                                       DeepSpeedZeroOptimizer_Stage3, FP16_Optimizer,
+                                       ZeROOptimizer)
+    classes = (BF16_Optimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3,
+               FP16_Optimizer, ZeROOptimizer)
+    cases = {"z0 fp32": (0, "fp32", {}), "z0 bf16": (0, "bf16", {}),
+             "z1 bf16 fp32 accum": (1, "bf16", {"data_types": {"grad_accum_dtype": "fp32"}}),
+             "z1 bf16": (1, "bf16", {}), "z2 fp32": (2, "fp32", {}),
+             "z3 bf16": (3, "bf16", {})}
+    out = {}
+    for name, (stage, precision, extra) in cases.items():
+        model = _Recorder()
+        config = R.engine_config(stage=stage, precision=precision, **extra)
+        config.get("bf16", {}).pop("auto_cast", None)   # DeepSpeed's default: no cast
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        x, y = R.micro_batch(0, rank, 0)
+        engine.backward(engine(x, y))
+        engine.step()
+        out[name] = ({c.__name__ for c in classes if isinstance(engine.optimizer, c)},
+                     model.seen[-1])
+        engine.destroy()
+    model = _Recorder()
+    config = R.engine_config(stage=1, precision="bf16")   # reference: bf16.auto_cast on
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engine(*R.micro_batch(0, rank, 0))
+    out["opt-in cast"] = model.seen[-1]
+    engine.destroy()
+    return out
+
+
+def test_optimizer_classes_as_deepspeed_picks_them_and_inputs_arrive_uncast(worlds):
+    zero = {"ZeROOptimizer"}
+    for res in worlds.run(2, _engines):
+        assert res["z0 fp32"] == (set(), torch.float32)
+        assert res["z0 bf16"] == ({"FP16_Optimizer"}, torch.float32)
+        assert res["z1 bf16 fp32 accum"] == ({"BF16_Optimizer"} | zero, torch.float32)
+        assert res["z1 bf16"] == ({"DeepSpeedZeroOptimizer"} | zero, torch.float32)
+        assert res["z2 fp32"] == ({"DeepSpeedZeroOptimizer"} | zero, torch.float32)
+        assert res["z3 bf16"] == ({"DeepSpeedZeroOptimizer_Stage3"} | zero, torch.float32)
+        assert res["opt-in cast"] == torch.bfloat16

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# DeepSpeed's own ZeRO unit tests, unmodified, against zerotrain (through the switch) or
+# against a real DeepSpeed. Harness-level adaptation only: the switch is installed by
+# sitecustomize.py, the world is 2 gloo ranks on the CPU (LOCAL_SIZE=2), no test body is
+# edited. See docs/from-deepspeed.md, "DeepSpeed's own ZeRO unit tests".
+#
+#   bench/deepspeed_unit/run.sh zerotrain PYTHON DS_TESTS [pytest args...]
+#   bench/deepspeed_unit/run.sh deepspeed PYTHON DS_TESTS [pytest args...]
+#
+# PYTHON: the interpreter (zerotrain: one where DeepSpeed is NOT importable; deepspeed: one
+# with DeepSpeed installed). DS_TESTS: the tests/ folder of a DeepSpeed checkout, e.g.
+#   git -C DeepSpeed archive v0.19.5 tests | tar -x -C /tmp/ds && DS_TESTS=/tmp/ds/tests
+set -euo pipefail
+which=$1; python=$2; tests=$3; shift 3
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+export DS_ACCELERATOR=cpu LOCAL_SIZE=2 DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-300}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONDONTWRITEBYTECODE=1
+case $which in
+  zerotrain) export ZEROTRAIN_AS_DEEPSPEED=1
+             export PYTHONPATH=$here:$root/src${PYTHONPATH:+:$PYTHONPATH} ;;
+  deepspeed) unset ZEROTRAIN_AS_DEEPSPEED ;;
+  *) echo "usage: $0 zerotrain|deepspeed PYTHON DS_TESTS [pytest args]" >&2; exit 2 ;;
+esac
+# The subset (SUBSET=full: every ZeRO runtime, v1 ZeRO and ZeRO checkpoint test, 927 tests,
+# hours on 2 cores): the core ZeRO tests, the ZeRO checkpoint tests, and the small files on
+# config, contexts, clipping and unused parameters.
+if [[ ${SUBSET:-core} == full ]]; then
+  subset=(unit/runtime/zero unit/v1/zero unit/checkpoint/test_zero_optimizer.py)
+else
+  subset=(unit/v1/zero/test_zero.py unit/checkpoint/test_zero_optimizer.py
+          unit/runtime/zero/test_zero_config.py unit/runtime/zero/test_ignore_unused_parameters.py
+          unit/runtime/zero/test_zero_grad_clip.py unit/runtime/zero/test_zero_context.py
+          unit/runtime/zero/test_zero_context_return.py unit/runtime/zero/test_zero_dynamic_class.py
+          unit/runtime/zero/test_unwrap_model.py)
+fi
+cd "$tests"
+exec "$python" -m pytest -p no:cacheprovider -o addopts="" \
+  -m "not sequential and not nightly" "${subset[@]}" "$@"

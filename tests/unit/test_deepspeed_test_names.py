@@ -91,3 +91,13 @@ def test_moe_split_returns_the_groups_when_no_parameter_is_an_experts(deepspeed)
     two = ({"params": params[:1], "name": "a"}, {"params": params[1:], "name": "b"})
     assert [g["name"] for g in split_params_into_different_moe_groups_for_optimizer(two)] == [
         "a", "b"]
+
+
+def test_gradient_allreduce_op_mean_is_read_and_sum_is_refused_by_name():
+    base = {"train_batch_size": 2}
+    assert load_config({**base, "gradient_allreduce_op": "mean"},
+                       world_size=1).gradient_allreduce_op == "mean"
+    with pytest.raises(ConfigError, match='gradient_allreduce_op: "sum" is not implemented'):
+        load_config({**base, "gradient_allreduce_op": "sum"}, world_size=1)
+    with pytest.raises(ConfigError, match="gradient_allreduce_op"):
+        load_config({**base, "gradient_allreduce_op": "max"}, world_size=1)

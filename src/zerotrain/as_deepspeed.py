@@ -92,6 +92,7 @@ ALIASES.update({
     "deepspeed.runtime.zero.config": "zerotrain.config.deepspeed_zero",
     "deepspeed.runtime.zero.stage3": "zerotrain.optim_kinds",          # and the estimators
     "deepspeed.runtime.zero.stage_1_and_2": "zerotrain.optim_kinds",
+    "deepspeed.runtime.zero.utils": "zerotrain.optim_kinds",   # ZeRORuntimeException
     "deepspeed.runtime.base_optimizer": "zerotrain.optim_kinds",
     "deepspeed.runtime.bf16_optimizer": "zerotrain.optim_kinds",
     "deepspeed.runtime.fp16": None,

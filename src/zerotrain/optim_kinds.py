@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ZeroTrainConfig
-from .errors import StateError
+from .errors import StateError, ZeroTrainError
 from .estimate import (estimate_zero2_model_states_mem_needs,
                        estimate_zero2_model_states_mem_needs_all_cold,
                        estimate_zero2_model_states_mem_needs_all_live,
@@ -22,12 +22,19 @@ from .estimate import (estimate_zero2_model_states_mem_needs,
 
 __all__ = [
     "BF16_Optimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3",
-    "FP16_Optimizer", "FP16_UnfusedOptimizer", "ZeROOptimizer", "deepspeed_kinds",
+    "FP16_Optimizer", "FP16_UnfusedOptimizer", "ZeROOptimizer", "ZeRORuntimeException",
+    "deepspeed_kinds",
     "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
     "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
 ]
+
+
+# DeepSpeed's ``runtime.zero.utils.ZeRORuntimeException``: what its ZeRO runtime raises on a
+# setup it cannot run; zerotrain's errors all derive from ZeroTrainError, so code catching
+# DeepSpeed's exception catches zerotrain's.
+ZeRORuntimeException = ZeroTrainError
 
 
 def deepspeed_kinds(config: ZeroTrainConfig) -> frozenset[str]:

@@ -101,3 +101,20 @@ def test_gradient_allreduce_op_mean_is_read_and_sum_is_refused_by_name():
         load_config({**base, "gradient_allreduce_op": "sum"}, world_size=1)
     with pytest.raises(ConfigError, match="gradient_allreduce_op"):
         load_config({**base, "gradient_allreduce_op": "max"}, world_size=1)
+
+
+def test_load_state_dict_from_zero_checkpoint_loads_the_full_weights(monkeypatch, deepspeed):
+    from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+    from zerotrain.checkpoint import consolidate
+    full = {"weight": torch.full((2, 3), 7.0), "bias": torch.ones(2)}
+    seen = []
+    monkeypatch.setattr(consolidate, "get_fp32_state_dict_from_zero_checkpoint",
+                        lambda path, tag=None: seen.append((path, tag)) or full)
+    model = load_state_dict_from_zero_checkpoint(torch.nn.Linear(3, 2), "ckpt", tag="t")
+    assert seen == [("ckpt", "t")]
+    assert torch.equal(model.weight, full["weight"]) and torch.equal(model.bias, full["bias"])
+
+
+def test_zero_runtime_exception_catches_zerotrains_errors(deepspeed):
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+    assert issubclass(ConfigError, ZeRORuntimeException)

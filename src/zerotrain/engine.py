@@ -388,8 +388,16 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler.for_checkpoint(),
             data_loader=self.training_dataloader)
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free the full parameters stage 3 still holds gathered between steps
+        (persistent ones stay); nothing is gathered to free at stages 0-2."""
+        release = getattr(self.stage, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True) -> bool:
+                        client_state: Optional[dict] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
         """Write checkpoint ``tag`` (default ``global_step<N>``; other values are named by
         ``str(tag)``, as in DeepSpeed) under ``save_dir``. Collective: every rank calls it.
         ``client_state``: JSON values, tensors, numpy arrays, tuples and
@@ -398,6 +406,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         Gradients accumulated in an unfinished accumulation window are not saved; save
         after ``step()`` at a boundary for an exact resume.
         """
+        if exclude_frozen_parameters:
+            raise StateError("save_checkpoint(exclude_frozen_parameters=True) is not "
+                             "implemented: zerotrain's checkpoint holds every parameter, "
+                             "frozen ones included; call it without the argument")
         if self.micro_steps % self.gradient_accumulation_steps() != 0:
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)

@@ -39,7 +39,7 @@ from .hierarchical import build_groups
 from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
 from .init import GatheredParameters
-from .unit import GroupSlice, Unit
+from .unit import GroupSlice, Unit, UnitState
 from .unit_specs import build_units
 
 
@@ -134,6 +134,14 @@ class PartitionedDataParallel(BucketedStage):
             handle.remove()
         self._handles = []
         _mark_lockstep(self.module, False)
+
+    def empty_partition_cache(self) -> None:
+        """Release the gathered units nothing holds (DeepSpeed's ``empty_partition_cache``,
+        called between steps: after an eval forward, say). Persistent units stay gathered:
+        the hooks never gather them again."""
+        for unit in self.units:
+            if not (unit.spec.persistent or unit.held or unit.state is UnitState.RELEASED):
+                unit.release()
 
     def publish_parameters(self) -> None:
         """After a load: frozen shards follow their (loaded) masters, int8 ones are quantized

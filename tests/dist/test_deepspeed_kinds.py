@@ -90,3 +90,23 @@ def test_ds_persist_empty_partition_cache_and_exclude_frozen_refused(worlds):
         assert any(persist.values()) and not all(persist.values())
         assert all((sizes[n] > 0) == persist[n] for n in persist), (persist, sizes)
         assert "exclude_frozen_parameters" in refused
+
+
+def _param_offload_alone(rank, world):
+    import zerotrain
+    out = {}
+    for name, zero in (("plain", {}), ("param offload", {"offload_param": {"device": "cpu"}})):
+        model = R.make_model()
+        config = R.engine_config(stage=3)
+        config["zero_optimization"].update(zero)
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        R.train_engine(engine, steps=2, rank=rank, ga=1)
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.destroy()
+    return R.max_diff(out["plain"], out["param offload"])
+
+
+def test_parameter_offload_without_optimizer_offload_matches_plain_stage3(worlds):
+    """DeepSpeed allows offload_param alone (the optimizer state stays on the device)."""
+    assert worlds.run(2, _param_offload_alone) == [0.0, 0.0]

@@ -49,11 +49,6 @@ class OffloadPlan:
                 raise ConfigError(f"{pkey}.device", "parameter offload needs ZeRO stage 3: "
                                   "stages 0-2 keep whole parameters on the device",
                                   value=par_device)
-            if opt_device == "none":
-                raise ConfigError(f"{pkey}.device", "parameter offload also needs "
-                                  "offload_optimizer (the fp32 state would otherwise stay on "
-                                  "the device, 12 bytes per parameter against 2 saved)",
-                                  value=par_device)
         for name, section in (("offload_optimizer", opt), ("offload_param", par)):
             if section is not None and section.device != "none" and section.ratio != 1.0:
                 raise ConfigError(f"zero_optimization.{name}.ratio", "partial offload is not "

@@ -2,7 +2,7 @@
 # DeepSpeed's own ZeRO unit tests, unmodified, against zerotrain (through the switch) or
 # against a real DeepSpeed. Harness-level adaptation only: the switch is installed by
 # sitecustomize.py, the world is 2 gloo ranks on the CPU (LOCAL_SIZE=2), no test body is
-# edited. See docs/from-deepspeed.md, "DeepSpeed's own ZeRO unit tests".
+# edited (sitecustomize.py says what it changes). See docs/from-deepspeed.md, "DeepSpeed's own ZeRO unit tests".
 #
 #   bench/deepspeed_unit/run.sh zerotrain PYTHON DS_TESTS [pytest args...]
 #   bench/deepspeed_unit/run.sh deepspeed PYTHON DS_TESTS [pytest args...]
@@ -19,11 +19,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONDONTWRITEBYTECODE=1
 case $which in
   zerotrain) export ZEROTRAIN_AS_DEEPSPEED=1
              export PYTHONPATH=$here:$root/src${PYTHONPATH:+:$PYTHONPATH} ;;
-  deepspeed) unset ZEROTRAIN_AS_DEEPSPEED ;;
+  deepspeed) unset ZEROTRAIN_AS_DEEPSPEED
+             export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH} ;;
   *) echo "usage: $0 zerotrain|deepspeed PYTHON DS_TESTS [pytest args]" >&2; exit 2 ;;
 esac
 # The subset, by SUBSET: quick (the default; 25 tests, about half an hour on 2 busy cores),
-# core (177: all of v1/zero/test_zero.py and checkpoint/test_zero_optimizer.py too) or full
+# core (181: v1/zero/test_zero.py, checkpoint/test_zero_optimizer.py, test_zero_context.py too) or full
 # (927: every ZeRO runtime, v1 ZeRO and ZeRO checkpoint test; many hours on 2 cores).
 quick=(unit/runtime/zero/test_zero_config.py unit/runtime/zero/test_ignore_unused_parameters.py
        unit/runtime/zero/test_zero_dynamic_class.py unit/runtime/zero/test_zero_context_return.py

@@ -54,7 +54,7 @@ def _config(zero: dict, *, precision: str, steps: int, micro: int, lr: float) ->
         "steps_per_print": 10 ** 9,
     }
     if precision == "bf16":
-        config["bf16"] = {"enabled": True}
+        config["bf16"] = {"enabled": True, "auto_cast": True}
         config["data_types"] = {"grad_accum_dtype": "bf16"}
     return config
 

@@ -387,7 +387,7 @@ class ZeroTrainRunner:
                                   "stage3_param_persistence_threshold": 0},
         }
         if opts.get("bf16"):
-            config["bf16"] = {"enabled": True}
+            config["bf16"] = {"enabled": True, "auto_cast": True}
         self.engine, _, _, _ = zerotrain.initialize(
             model=model, model_parameters=model.parameters(), config=config)
         self.config = config

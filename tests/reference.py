@@ -126,9 +126,9 @@ def engine_config(*, stage: int, ga: int = 1, clip: float = 0.0, lr: float = 1e-
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0,
                                         stage3_prefetch_bucket_size=100)
     if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        cfg["bf16"] = {"enabled": True, "auto_cast": True}   # fp32 batches in
     elif precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "auto_cast": True}
     cfg.update(extra)
     return cfg
 

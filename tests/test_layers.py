@@ -41,7 +41,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 2. process-level services
     (("teardown",), ("comm", "memory", "precision", "log", "timers", "throughput", "accelerator")),
     # 3. building blocks of a stage
-    (("buckets", "optim", "schedules", "dataloader", "offload", "ops", "lr_watch",
+    (("buckets", "optim", "optim_kinds", "schedules", "dataloader", "offload", "ops", "lr_watch",
       "hierarchy", "direct_backward", "offload_names"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("zero3", "activation", "compile"), ("zero", "checkpointing", "factory")),

@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Accelerator", "get_accelerator", "set_accelerator"]
+__all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported",
+           "set_accelerator"]
 
 _ACCELERATOR_ENV = "DS_ACCELERATOR"
 
@@ -68,7 +69,14 @@ class Accelerator:
             torch.cuda.set_device(device_index)
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else 1
+        """CUDA: the visible GPUs. CPU: ``LOCAL_SIZE`` (the ranks a launcher started on this
+        node) when set, as DeepSpeed's CPU accelerator counts, else 1."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        local_size = os.environ.get("LOCAL_SIZE", "")
+        if local_size.strip().isdigit() and int(local_size) > 0:
+            return int(local_size)
+        return 1
 
     def communication_backend_name(self) -> str:
         return "nccl" if self._cuda else "gloo"
@@ -248,3 +256,9 @@ def get_accelerator() -> Accelerator:
 def set_accelerator(accelerator: Accelerator) -> None:
     """Replace the process's accelerator (DeepSpeed's ``set_accelerator``)."""
     _CURRENT[:] = [accelerator]
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's check that the accelerator in use is one it supports: zerotrain's two
+    (``cuda``, ``cpu``) always are."""
+    return get_accelerator().device_name() in ("cuda", "cpu")

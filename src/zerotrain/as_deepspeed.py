@@ -105,7 +105,26 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.checkpoint.utils": "zerotrain.checkpoint.ds_utils",
     "deepspeed.runtime.zero.offload_config": "zerotrain.offload_names",
 }
-_FORWARDED_DUNDERS = frozenset({"__all__"})  # others belong to the alias
+# DeepSpeed's names its own unit tests and their harness import: build and op records,
+# runtime.zero.config's models, and the optimizer classes for isinstance (optim_kinds).
+ALIASES.update({
+    "deepspeed.accelerator.real_accelerator": "zerotrain.accelerator",
+    "deepspeed.git_version_info": "zerotrain.ops.builder",
+    "deepspeed.ops.op_builder": "zerotrain.ops.builder",
+    "deepspeed.ops.aio": "zerotrain.ops.builder",
+    "deepspeed.utils.torch": "zerotrain.ops.builder",
+    "deepspeed.runtime.swap_tensor": "zerotrain.ops.builder",
+    "deepspeed.runtime.zero.config": "zerotrain.config.deepspeed_zero",
+    "deepspeed.runtime.zero.stage3": "zerotrain.optim_kinds",          # and the estimators
+    "deepspeed.runtime.zero.stage_1_and_2": "zerotrain.optim_kinds",
+    "deepspeed.runtime.zero.utils": "zerotrain.optim_kinds",   # ZeRORuntimeException
+    "deepspeed.runtime.base_optimizer": "zerotrain.optim_kinds",
+    "deepspeed.runtime.bf16_optimizer": "zerotrain.optim_kinds",
+    "deepspeed.runtime.fp16": None,
+    "deepspeed.runtime.fp16.fused_optimizer": "zerotrain.optim_kinds",
+    "deepspeed.runtime.fp16.unfused_optimizer": "zerotrain.optim_kinds",
+})
+_FORWARDED_DUNDERS = frozenset({"__all__", "__compatible_ops__"})  # others: the alias's
 _GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
 
 

@@ -49,6 +49,7 @@ from .engine_reports import EngineReports, reach_totals
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from .optim import InferenceOnlyOptimizer, ZeroOptimizer
+from .optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage
 from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
@@ -71,7 +72,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.comm = comm
         self.stage = stage
         self.policy = policy
-        self.optimizer = ZeroOptimizer(stage.optimizer)
+        self.optimizer = ZeroOptimizer(stage.optimizer, deepspeed_kinds(config))
         self.lr_scheduler = lr_scheduler
         self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
         self._checkpoint_writer: Optional[checkpoint.BackgroundWriter] = None  # async saves
@@ -98,15 +99,19 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
         self.host_traffic = stage.host_traffic    # host memory bytes, by phase of the step
         self._compilation: Optional[Compilation] = None
+        self._auto_cast = ((config.fp16.enabled and config.fp16.auto_cast)
+                           or (config.bf16.enabled and config.bf16.auto_cast))
         if not self.inference_only or config.zero_optimization.stage == 3:
             claim(stage, module)   # Note: one open engine per model
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
     def forward(self, *args, **kwargs):
-        """Run the module, casting floating inputs to the parameter dtype."""
+        """Run the module; floating inputs are cast to the parameter dtype only when
+        ``fp16.auto_cast`` (DeepSpeed's) or ``bf16.auto_cast`` (zerotrain's opt-in) is set,
+        and otherwise reach the module as given, as in DeepSpeed."""
         with self._timers.time("forward"):
-            if self.policy.param_dtype != torch.float32:
+            if self._auto_cast:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
             if torch.is_grad_enabled():   # Note "step fingerprint" in comm/trail.py
                 self.comm.ledger.trail.note("forward", None, "engine forward")
@@ -453,8 +458,16 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler.for_checkpoint(),
             data_loader=self.training_dataloader)
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free the full parameters stage 3 still holds gathered between steps
+        (persistent ones stay); nothing is gathered to free at stages 0-2."""
+        release = getattr(self.stage, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False,
                         async_save: Optional[bool] = None) -> bool:
         """Write checkpoint ``tag`` (default ``global_step<N>``; other values are named by
         ``str(tag)``, as in DeepSpeed) under ``save_dir``. Collective: every rank calls it.
@@ -468,6 +481,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         copied into host memory and write it in the background; at most one save is in
         flight, and :meth:`wait_for_checkpoint` waits for it (docs/checkpoints.md).
         """
+        if exclude_frozen_parameters:
+            raise StateError("save_checkpoint(exclude_frozen_parameters=True) is not "
+                             "implemented: zerotrain's checkpoint holds every parameter, "
+                             "frozen ones included; call it without the argument")
         if self.micro_steps % self.gradient_accumulation_steps() != 0:
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)

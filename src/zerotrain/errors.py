@@ -22,12 +22,25 @@ class ConfigError(ZeroTrainError, ValueError):
     def __init__(self, path: str, message: str, *, value: Any = None,
                  suggestion: Optional[str] = None) -> None:
         self.path = path
+        self.message = message
         self.value = value
         self.suggestion = suggestion
         text = f"{path}: {message}" if path else message
         if suggestion:
             text += f" ({suggestion})"
         super().__init__(text)
+
+    def __reduce__(self):
+        # pickle rebuilds an exception as cls(*args); ours takes (path, message, keywords),
+        # and an error that cannot be unpickled hangs a multiprocessing pool that receives it
+        return (_rebuild_config_error,
+                (type(self), self.path, self.message, self.value, self.suggestion),
+                self.__dict__)
+
+
+def _rebuild_config_error(cls: type, path: str, message: str, value: Any,
+                          suggestion: Optional[str]) -> ConfigError:
+    return cls(path, message, value=value, suggestion=suggestion)
 
 
 class RankMismatchError(ZeroTrainError, RuntimeError):

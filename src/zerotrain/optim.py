@@ -130,8 +130,10 @@ class ZeroOptimizer:
     DeepSpeed. Stepping goes through ``engine.step()``, which reduces gradients first.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 deepspeed_kinds: frozenset[str] = frozenset()) -> None:
         self.optimizer = optimizer
+        self.deepspeed_kinds = deepspeed_kinds   # optim_kinds: DeepSpeed's classes, isinstance
 
     @property
     def param_groups(self) -> list[dict]:

@@ -34,7 +34,7 @@ def _measure(rank, world, stages):
         baseline = live_tensor_bytes()
         model = _model()
         psi = sum(p.numel() for p in model.parameters())
-        config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+        config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True, "auto_cast": True},
                   "data_types": {"grad_accum_dtype": "bf16"},
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000,

@@ -92,7 +92,7 @@ def _peak(rank, world, cases):
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
         if case["bf16"]:
-            config["bf16"] = {"enabled": True}
+            config["bf16"] = {"enabled": True, "auto_cast": True}
         torch.manual_seed(0)
         if case["zero_init"]:
             with zerotrain.zero.Init():

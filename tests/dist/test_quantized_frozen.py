@@ -64,7 +64,7 @@ def config(precision: str, quantized: bool, **zero) -> dict:
                                  "stage3_max_reuse_distance": 0,
                                  "zero_quantized_nontrainable_weights": quantized, **zero}}
     if precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        cfg["bf16"] = {"enabled": True, "auto_cast": True}
     return cfg
 
 

@@ -211,7 +211,7 @@ def _save16(rank, world, root):
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     config = _config(3)
-    config["bf16"] = {"enabled": True}
+    config["bf16"] = {"enabled": True, "auto_cast": True}
     engine, *_ = zerotrain.initialize(model=model, config=config)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(input_ids=ids, labels=ids).loss)

@@ -250,7 +250,7 @@ def test_unsupported_optimizer_lists_supported() -> None:
 @pytest.mark.parametrize("key, value", [
     ("stage", "2"), ("stage", 5), ("stage", True), ("stage", -1), ("stage", 2.0),
     ("reduce_bucket_size", -1), ("reduce_bucket_size", 0), ("reduce_bucket_size", True),
-    ("reduce_bucket_size", 5.5), ("reduce_bucket_size", "5e8"), ("overlap_comm", 1),
+    ("reduce_bucket_size", 5.5), ("reduce_bucket_size", "5e8"), ("overlap_comm", 2),
     ("overlap_comm", "true"), ("stage3_param_persistence_threshold", -1),
 ])
 def test_zero_wrong_types_and_values(key: str, value: Any) -> None:
@@ -303,7 +303,7 @@ def test_fp16_and_bf16_both_enabled() -> None:
 def test_bfloat16_alias() -> None:
     assert load({"bfloat16": {"enabled": True}}).precision == "bf16"
     assert config_error({**BASE, "bf16": {}, "bfloat16": {}}).path == "bfloat16"
-    assert config_error({**BASE, "bfloat16": {"enabled": 1}}).path == "bfloat16.enabled"
+    assert config_error({**BASE, "bfloat16": {"enabled": 2}}).path == "bfloat16.enabled"
     assert "bfloat16.enabled" in str(
         config_error({**BASE, "fp16": {"enabled": True}, "bfloat16": {"enabled": True}}))
 

@@ -93,6 +93,12 @@ def test_cpu_adam_refuses_16bit_states_by_name():
 
 
 # --------------------------------------------------------------------------- out of scope
+def _expert_param() -> torch.nn.Parameter:
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.allreduce = False   # how DeepSpeed marks an expert's parameter
+    return param
+
+
 def test_moe_and_pipeline_names_import_and_refuse_when_used():
     from zerotrain.moe.layer import MoE
     from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -104,8 +110,8 @@ def test_moe_and_pipeline_names_import_and_refuse_when_used():
 
     cases = [(lambda: MoE(hidden_size=8, expert=None, num_experts=2), "mixture of experts"),
              (lambda: MyMoE(), "mixture of experts"),
-             (lambda: split_params_into_different_moe_groups_for_optimizer({}),
-              "split_params_into_different_moe_groups_for_optimizer"),
+             (lambda: split_params_into_different_moe_groups_for_optimizer(
+                 {"params": [_expert_param()]}), "mixture of experts"),
              (lambda: PipelineModule(layers=[LayerSpec(torch.nn.Linear, 2, 2)]),
               "pipeline parallelism")]
     for call, named in cases:

@@ -105,6 +105,16 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str,
     return dict(iter_fp32_tensors(checkpoint_dir, tag))
 
 
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,
+                                         tag: Optional[str] = None) -> torch.nn.Module:
+    """DeepSpeed's function of the same name: the model, moved to the CPU, with the
+    checkpoint's full fp32 weights loaded (``strict=False``, as DeepSpeed loads them)."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
+
+
 def parse_size(size: Union[int, str]) -> int:
     """``"5GB"`` -> 5 * 10**9 bytes, ``"2GiB"`` -> 2 * 2**30 (Hugging Face's convention)."""
     if isinstance(size, int) and not isinstance(size, bool):

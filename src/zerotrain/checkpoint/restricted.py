@@ -21,7 +21,12 @@ class RefusedGlobal(pickle.UnpicklingError):
 
     def __init__(self, module: str, name: str) -> None:
         super().__init__(f"{module}.{name}")
+        self.module = module
+        self.name = name
         self.qualname = f"{module}.{name}"
+
+    def __reduce__(self):  # rebuilt from (module, name), not from args, so it pickles
+        return (type(self), (self.module, self.name), self.__dict__)
 
 
 class InertRecord:

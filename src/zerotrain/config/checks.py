@@ -18,6 +18,7 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
         bf16 = walk.user_path("bf16.enabled")
         raise ConfigError("fp16.enabled", f"fp16.enabled and {bf16} are both true; "
                                           "enable at most one of them", value=True)
+    _check_allreduce_op(result.gradient_allreduce_op)
     for key in result.compile.kwargs:
         if key not in TORCH_COMPILE_KWARGS:
             raise _unknown_key(key, walk.user_path(f"compile.kwargs.{key}"),
@@ -65,3 +66,17 @@ def _check_hierarchical(zero: ZeroConfig, world_size: int) -> None:
         raise ConfigError("zero_optimization.zero_hpz_partition_size", "hpZ and MiCS "
                           "(mics_shard_size) both reshape the stage-3 partition; choose one",
                           value=hpz)
+
+
+def _check_allreduce_op(op: str) -> None:
+    """DeepSpeed's ``gradient_allreduce_op``: ``"mean"`` (its default) is what every stage
+    does; ``"sum"`` would leave gradients world-size times larger, which zerotrain does not
+    implement, so it is refused rather than silently averaged."""
+    if op == "sum":
+        raise ConfigError("gradient_allreduce_op", '"sum" is not implemented: zerotrain '
+                          "averages gradients over the data-parallel ranks", value=op,
+                          suggestion='remove it or set "mean", and scale the loss by the '
+                                     "world size to get summed gradients")
+    if op != "mean":
+        raise ConfigError("gradient_allreduce_op", 'must be "mean" or "sum" (DeepSpeed\'s '
+                          "values)", value=op)

@@ -28,7 +28,7 @@ _UNIMPLEMENTED_NAMES = {
     "": """aio amp autotuning comet comms_logger
         compression_training csv_monitor curriculum_learning
         data_efficiency dataloader_drop_last disable_allgather disable_python_gc dump_state
-        eigenvalue elasticity expert_parallel flops_profiler gradient_allreduce_op
+        eigenvalue elasticity expert_parallel flops_profiler
         gradient_predivide_factor graph_harvesting hybrid_engine log_level
         managed_gradient_accumulation memory_breakdown nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_comm_data_type

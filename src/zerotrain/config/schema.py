@@ -37,6 +37,7 @@ class ZeroTrainConfig(_Section):
     steps_per_print: Union[int, float] = 10   # a whole number >= 1, or inf: never (Accelerate)
     wall_clock_breakdown: bool = False
     communication_data_type: Optional[PrecisionName] = None   # gradient reductions
+    gradient_allreduce_op: str = "mean"   # DeepSpeed's; only "mean" is implemented (checks)
     zero_allow_untested_optimizer: bool = False   # step a non-elementwise client optimizer
     # zerotrain's own keys (not DeepSpeed's)
     comms_timeout: float = Field(1800.0, gt=0, le=31_536_000, allow_inf_nan=False)  # s

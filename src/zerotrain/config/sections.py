@@ -42,7 +42,12 @@ class FP16Config(_Section):
 
 
 class BF16Config(_Section):
+    """``auto_cast`` is zerotrain's opt-in, not DeepSpeed's: the engine casts floating
+    inputs to bf16 as ``fp16.auto_cast`` casts them to fp16 (DeepSpeed has only the latter
+    and leaves bf16 inputs as given)."""
+
     enabled: bool = False
+    auto_cast: bool = False
 
 
 class DataTypesConfig(_Section):

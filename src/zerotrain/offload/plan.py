@@ -70,11 +70,6 @@ class OffloadPlan:
                 raise ConfigError(f"{pkey}.device", "parameter offload needs ZeRO stage 3: "
                                   "stages 0-2 keep whole parameters on the device",
                                   value=par_device)
-            if opt_device == "none":
-                raise ConfigError(f"{pkey}.device", "parameter offload also needs "
-                                  "offload_optimizer (the fp32 state would otherwise stay on "
-                                  "the device, 12 bytes per parameter against 2 saved)",
-                                  value=par_device)
         if par is not None and par.device != "none" and par.ratio != 1.0:
             raise ConfigError("zero_optimization.offload_param.ratio", "partial parameter "
                               'offload is not supported; use 1.0 (all) or device "none"',

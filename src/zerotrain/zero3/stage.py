@@ -40,7 +40,7 @@ from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module
                     unit_users)
 from .init import GatheredParameters
 from .leaf import apply_leaf_module_config
-from .unit import GroupSlice, Unit
+from .unit import GroupSlice, Unit, UnitState
 from .unit_specs import build_units
 
 
@@ -146,6 +146,14 @@ class PartitionedDataParallel(BucketedStage):
             handle.remove()
         self._handles = []
         _mark_lockstep(self.module, False)
+
+    def empty_partition_cache(self) -> None:
+        """Release the gathered units nothing holds (DeepSpeed's ``empty_partition_cache``,
+        called between steps: after an eval forward, say). Persistent units stay gathered:
+        the hooks never gather them again."""
+        for unit in self.units:
+            if not (unit.spec.persistent or unit.held or unit.state is UnitState.RELEASED):
+                unit.release()
 
     def publish_parameters(self) -> None:
         """After a load: frozen shards follow their (loaded) masters, int8 ones are quantized

@@ -99,6 +99,7 @@ class Unit:
         self._pending = None
         for p in spec.params:  # the unit's shard is the source of truth from now on
             p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
+            p.ds_persist = spec.persistent   # DeepSpeed's name: stays gathered between uses
             p.data = P.empty_placeholder(p)
         P.mark(spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
         self.full = torch.empty(sum(self._segment_numels()), dtype=self.shard.dtype,
@@ -199,6 +200,10 @@ class Unit:
     def hold(self) -> None:
         """One more holder keeps the unit gathered (Note: holders in hooks.py)."""
         self._holders += 1
+
+    @property
+    def held(self) -> bool:
+        return self._holders > 0
 
     def let_go(self) -> bool:
         """One holder fewer; True when none is left, so the caller releases the unit."""

@@ -1,0 +1,38 @@
+"""Harness adaptation for running DeepSpeed's unit tests on 2 CPU ranks (``run.sh``).
+
+Python imports ``sitecustomize`` at start-up when it is on ``PYTHONPATH``, so this runs in
+every process of the run: the pytest parent, the forkserver and each rank of DeepSpeed's
+process pool. It does two things, and touches no test:
+
+* ``ZEROTRAIN_AS_DEEPSPEED=1``: installs zerotrain's ``deepspeed`` switch, so each rank
+  imports zerotrain where the test imports ``deepspeed``.
+* In both modes, a test that fails inside a rank by ``pytest.fail`` or an unmet
+  ``pytest.raises`` raises pytest's ``Failed``, a ``BaseException``. ``multiprocessing``'s
+  pool worker catches only ``Exception``, so the rank dies, its result never comes, the
+  parent waits out ``DS_UNITTEST_TIMEOUT`` and then ``pytest.exit`` stops the whole run
+  (after hanging in ``Pool.join``). Here such an error leaves the rank as an
+  ``AssertionError`` with the same message, so it fails that test alone. ``Skipped`` is
+  left alone (the harness catches it itself), and so are ``SystemExit`` and
+  ``KeyboardInterrupt``.
+"""
+import multiprocessing.pool
+import os
+
+_starmapstar = multiprocessing.pool.starmapstar
+
+
+def _failures_as_assertions(args):
+    try:
+        return _starmapstar(args)
+    except (Exception, SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:  # pytest's Failed (an OutcomeException)
+        raise AssertionError(f"{type(error).__name__}: {error}") from None
+
+
+multiprocessing.pool.starmapstar = _failures_as_assertions
+
+if os.environ.get("ZEROTRAIN_AS_DEEPSPEED") == "1":
+    import zerotrain.as_deepspeed
+
+    zerotrain.as_deepspeed.install()

@@ -1,0 +1,120 @@
+"""The names and readings DeepSpeed's own unit tests (and their harness) take from
+``deepspeed``, answered through the switch."""
+import pytest
+import torch
+
+from zerotrain import as_deepspeed
+from zerotrain.config import load_config
+from zerotrain.errors import ConfigError
+
+
+@pytest.fixture
+def deepspeed():
+    as_deepspeed.install()
+    try:
+        import deepspeed
+        yield deepspeed
+    finally:
+        as_deepspeed.uninstall()
+
+
+def test_cpu_device_count_is_local_size_as_in_deepspeed(monkeypatch):
+    from zerotrain.accelerator import Accelerator, is_current_accelerator_supported
+    cpu = Accelerator("cpu")
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert cpu.device_count() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    assert cpu.device_count() == 2
+    assert is_current_accelerator_supported()
+
+
+def test_build_and_op_records(deepspeed):
+    from deepspeed.git_version_info import torch_info, installed_ops, version
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+    from deepspeed.runtime.swap_tensor import MIN_SWAPPABLE_BYTES
+    from deepspeed.utils.torch import required_torch_version
+    assert version == deepspeed.__version__ and torch_info["version"] == ".".join(
+        torch.__version__.split(".")[:2])
+    assert not any(installed_ops.values())   # nothing is compiled
+    compatible = deepspeed.ops.__compatible_ops__
+    assert compatible[CPUAdamBuilder.NAME] and not compatible[AsyncIOBuilder.NAME]
+    with pytest.raises(Exception, match="async_io"):
+        AsyncIOBuilder().load()
+    assert MIN_SWAPPABLE_BYTES == 1024 ** 2
+    assert required_torch_version(min_version=1.4)
+    assert not required_torch_version(max_version=2.0)
+    with pytest.raises(ValueError):
+        required_torch_version()
+
+
+def test_deepspeed_zero_config_reads_aliases_and_deprecated_keys(deepspeed):
+    from deepspeed.runtime.zero.config import (DeepSpeedZeroConfig,
+                                               DeepSpeedZeroOffloadOptimizerConfig,
+                                               DeepSpeedZeroOffloadParamConfig)
+    assert DeepSpeedZeroConfig(cpu_offload_param=True).offload_param.device == "cpu"
+    assert isinstance(DeepSpeedZeroConfig(cpu_offload=True).offload_optimizer,
+                      DeepSpeedZeroOffloadOptimizerConfig)
+    assert DeepSpeedZeroConfig(
+        stage3_gather_fp16_weights_on_model_save=True).gather_16bit_weights_on_model_save
+    assert DeepSpeedZeroConfig(stage3_prefetch_bucket_size=12345).prefetch_bucket_size == 12345
+    assert [DeepSpeedZeroConfig(stage=s).overlap_comm for s in range(4)] == [0, 0, 0, 1]
+    assert isinstance(DeepSpeedZeroConfig(offload_param={}).offload_param,
+                      DeepSpeedZeroOffloadParamConfig)
+    assert DeepSpeedZeroConfig().offload_param is None
+    assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
+    assert not DeepSpeedZeroOffloadOptimizerConfig().pipeline
+    with pytest.raises(ValueError, match="stage3_prefetch_bucket"):
+        DeepSpeedZeroConfig(stage3_prefetch_bucket=1)
+
+
+def test_a_boolean_key_given_as_one_or_zero_reads_as_deepspeed_reads_it():
+    config = load_config({"train_batch_size": 2, "bf16": {"enabled": 1},
+                          "zero_optimization": {"stage": 2, "overlap_comm": 1,
+                                                "contiguous_gradients": 0}}, world_size=1)
+    zero = config.zero_optimization
+    assert (config.bf16.enabled, zero.overlap_comm, zero.contiguous_gradients) == (
+        True, True, False)
+    for bad in (2, "true", 1.0):
+        with pytest.raises(ConfigError, match="bf16.enabled"):
+            load_config({"train_batch_size": 2, "bf16": {"enabled": bad}}, world_size=1)
+    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+        load_config({"train_batch_size": 2, "zero_optimization": {"stage": True}},
+                    world_size=1)
+
+
+def test_moe_split_returns_the_groups_when_no_parameter_is_an_experts(deepspeed):
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": params, "name": "parameters", "lr": 0.1})
+    assert len(groups) == 1 and groups[0]["params"] == params and groups[0]["lr"] == 0.1
+    two = ({"params": params[:1], "name": "a"}, {"params": params[1:], "name": "b"})
+    assert [g["name"] for g in split_params_into_different_moe_groups_for_optimizer(two)] == [
+        "a", "b"]
+
+
+def test_gradient_allreduce_op_mean_is_read_and_sum_is_refused_by_name():
+    base = {"train_batch_size": 2}
+    assert load_config({**base, "gradient_allreduce_op": "mean"},
+                       world_size=1).gradient_allreduce_op == "mean"
+    with pytest.raises(ConfigError, match='gradient_allreduce_op: "sum" is not implemented'):
+        load_config({**base, "gradient_allreduce_op": "sum"}, world_size=1)
+    with pytest.raises(ConfigError, match="gradient_allreduce_op"):
+        load_config({**base, "gradient_allreduce_op": "max"}, world_size=1)
+
+
+def test_load_state_dict_from_zero_checkpoint_loads_the_full_weights(monkeypatch, deepspeed):
+    from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+    from zerotrain.checkpoint import consolidate
+    full = {"weight": torch.full((2, 3), 7.0), "bias": torch.ones(2)}
+    seen = []
+    monkeypatch.setattr(consolidate, "get_fp32_state_dict_from_zero_checkpoint",
+                        lambda path, tag=None: seen.append((path, tag)) or full)
+    model = load_state_dict_from_zero_checkpoint(torch.nn.Linear(3, 2), "ckpt", tag="t")
+    assert seen == [("ckpt", "t")]
+    assert torch.equal(model.weight, full["weight"]) and torch.equal(model.bias, full["bias"])
+
+
+def test_zero_runtime_exception_catches_zerotrains_errors(deepspeed):
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+    assert issubclass(ConfigError, ZeRORuntimeException)

@@ -135,8 +135,8 @@ def engine_config(*, stage: int, ga: int = 1, clip: float = 0.0, lr: float = 1e-
 
 def train_engine(engine, *, steps: int, rank: int, ga: int, micro_size: int = 4) -> list[float]:
     """Drive an engine the DeepSpeed way; returns the mean micro-batch loss per step. The
-    micro-batches go to the engine's device (the engine casts inputs, never moves them: a
-    model on cuda:0 fed host batches would fail)."""
+    micro-batches go to the engine's device (the engine never moves inputs: a model on
+    cuda:0 fed host batches would fail; it casts them only with ``auto_cast``)."""
     device = getattr(engine, "device", None)
     losses = []
     for step in range(steps):

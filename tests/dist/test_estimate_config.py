@@ -12,9 +12,12 @@ import reference as R
 
 def _train_with(rank, world, path):
     import zerotrain
+    config = json.loads(open(path).read())
+    if config.get("bf16", {}).get("enabled"):   # the reference batches are fp32: cast them in
+        config["bf16"]["auto_cast"] = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, *_ = zerotrain.initialize(model=R.make_model(), config=path)
+        engine, *_ = zerotrain.initialize(model=R.make_model(), config=config)
     micro = engine.train_micro_batch_size_per_gpu()
     R.train_engine(engine, steps=1, rank=rank, ga=engine.gradient_accumulation_steps(),
                    micro_size=micro)

@@ -75,12 +75,17 @@ class DcpCheckpoint:
                         and n not in self._buffers and n not in self._aliases]
         self._cache: Optional[tuple[tuple[str, str], torch.Tensor]] = None
 
+    @property
+    def model_file(self) -> str:
+        """The file that errors about the small state name (DCP keeps it in ``.metadata``)."""
+        return os.path.join(self.path, METADATA_NAME)
+
     def identity(self) -> int:
         """A hash of this save (every file's size): ranks that read two saves of one folder
         (written again meanwhile) differ here, and the load's agreement refuses."""
         files = [os.path.join(self.path, name) for name in self.optim_files]
         sizes = [os.path.getsize(f) if os.path.isfile(f) else -1 for f in files]
-        return save_identity(repr((os.path.getsize(os.path.join(self.path, METADATA_NAME)), sizes)))
+        return save_identity(repr((os.path.getsize(self.model_file), sizes)))
 
     # ------------------------------------------------------------------ tensors
     def _entry(self, name: str, key: str) -> Entry:

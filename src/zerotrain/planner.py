@@ -164,7 +164,7 @@ def run_step(spec: StepSpec, model: torch.nn.Module, tracker: PeakTracker,
              config: Optional[dict] = None) -> tuple[Any, dict[str, int]]:
     """``initialize``, then one forward, backward and step under ``tracker``; returns the
     engine and the peak bytes of each phase. The process group must exist."""
-    import zerotrain
+    from .initialize import initialize
 
     if spec.activation_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
@@ -182,7 +182,7 @@ def run_step(spec: StepSpec, model: torch.nn.Module, tracker: PeakTracker,
     with tracker:
         tracker.add_existing(list(model.parameters()) + list(model.buffers()))
         tracker.phase = "initialize"
-        engine, *_ = zerotrain.initialize(model=model, config=config or ds_config_for(spec))
+        engine, *_ = initialize(model=model, config=config or ds_config_for(spec))
         phases["initialize"] = tracker.peak
         for phase, action in (("forward", lambda: engine(input_ids=ids, labels=ids)),):
             tracker.phase = phase

@@ -6,6 +6,7 @@ on fake tensors as rank 0 of a fake world (``zerotrain.planner.plan_peak``), the
 runs the same ``run_step`` on real tensors. Prints a Markdown table and the worst case.
 
     PYTHONPATH=src python bench/planner_check.py [--families gpt2-tiny,llama-tiny,...]
+    PLANNER_DTYPE=bf16 ... --families mixtral-tiny   (torch's fake grouped_mm is bf16 only)
 """
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ FAMILIES = ("gpt2-tiny", "llama-tiny", "mistral-tiny", "bert-tiny")
 WORLD = 2
 
 
+DTYPE = os.environ.get("PLANNER_DTYPE", "fp32")
+
+
 def _spec(family, stage, ac):
     from zerotrain.planner import StepSpec
     return StepSpec(os.path.join(HERE, f"{family}.json"), micro_batch=2, seq_len=32,
-                    gpus=WORLD, stage=stage, dtype="fp32", activation_checkpointing=ac)
+                    gpus=WORLD, stage=stage, dtype=DTYPE, activation_checkpointing=ac)
 
 
 def _rank(rank, store, cases, out):

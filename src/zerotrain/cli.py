@@ -151,7 +151,7 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --micro-batch/--seq-len: tracing a step needs both")
     if args.write and not args.fit:
         parser.error("argument --write: with a traced step it needs --fit")
-    from .planner import StepSpec, ds_config_for, fit, plan_peak
+    from .planner import PlanError, StepSpec, ds_config_for, fit, plan_peak
 
     spec = StepSpec(args.model, micro_batch=args.micro_batch, seq_len=args.seq_len,
                     gpus=args.gpus, nodes=args.nodes, stage=3 if args.stage is None else
@@ -164,6 +164,9 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             result = fit(spec, args.fit, args.host_memory)
     except (ValueError, OSError) as exc:
         parser.error(f"argument --model: {exc}")
+    except PlanError as exc:
+        print(f"zerotrain estimate: {exc}", file=sys.stderr)
+        return 1
     if args.fit and result is None:
         print(f"no configuration of {args.model} fits {_size(args.fit)} per GPU"
               + (f" and {_size(args.host_memory)} per node" if args.host_memory else "")

@@ -29,11 +29,15 @@ import torch
 
 from .estimate.peak import PeakTracker
 
-__all__ = ["StepSpec", "StepPeak", "build_model", "ds_config_for", "fit", "plan_peak",
+__all__ = ["PlanError", "StepSpec", "StepPeak", "build_model", "ds_config_for", "fit", "plan_peak",
            "run_step"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _HOST_PREFIXES = ("host_", "nvme_")
+
+
+class PlanError(RuntimeError):
+    """The step could not be traced (a model the fake tensors cannot run)."""
 
 
 @dataclass(frozen=True)
@@ -279,7 +283,15 @@ def plan_peak(spec: StepSpec) -> StepPeak:
     tracker = _FakeTracker()
     with fake_world(0, spec.world):
         model = build_model(spec)
-        engine, phases = run_step(spec, model, tracker)
+        try:
+            engine, phases = run_step(spec, model, tracker)
+        except (ValueError, OSError):
+            raise
+        except Exception as exc:   # noqa: BLE001 - any failure of the traced step
+            raise PlanError(f"{spec.model}: the step could not be traced on fake tensors "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); "
+                            "a model whose shapes depend on its data (mixture-of-experts "
+                            "routing, nonzero) cannot be traced") from exc
         breakdown = breakdown_at_peak(tracker, engine)
         with contextlib.suppress(Exception):
             engine.destroy()

@@ -38,7 +38,7 @@ class PeakTracker(TorchDispatchMode):
         self.peak = 0
         self.where = "before"
         self.at_peak: dict[int, tuple[int, str]] = {}
-        self._dirty = False
+        self.phase_peaks: dict[str, int] = {}   # the highest live bytes within each phase
 
     # ---------------------------------------------------------------- storages
     def _add(self, t: torch.Tensor) -> None:
@@ -91,6 +91,8 @@ class PeakTracker(TorchDispatchMode):
 
     # ---------------------------------------------------------------- the mode
     def _record(self) -> None:
+        if self.current > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = self.current
         if self.current > self.peak:
             self.peak = self.current
             self.where = self.phase

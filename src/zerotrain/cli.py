@@ -1,6 +1,9 @@
 """The ``zerotrain`` command.
 
     zerotrain estimate --params 7B --gpus 8 [--gpu-memory 80GB]   memory per GPU at each stage
+    zerotrain estimate --model config.json --micro-batch B --seq-len S --gpus 8 --fit 80GB
+                                                                  the traced peak of a step; the
+                                                                  fastest configuration that fits
     zerotrain demo [--stage 3] [--nproc 2]                        train a small GPT on CPUs
     zerotrain launch [torchrun options] script.py [args]          torchrun, under our name
     zerotrain launch --as-deepspeed [torchrun options] script.py   ... an unmodified DeepSpeed

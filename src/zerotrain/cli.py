@@ -207,10 +207,10 @@ def _render_peak(result, budget) -> str:
             why.append(f"optimizer offload to {s.offload}")
         lines += [f"Fits {_size(budget)} per GPU: {', '.join(why)}, micro-batch "
                   f"{s.micro_batch} x {s.gradient_accumulation} accumulation steps.",
-                  "Tried fastest first (no offload, no recomputation, lower stage, larger "
-                  "micro-batch); this is the first whose traced peak fits.", ""]
-    lines += [f"Peak of one training step on rank 0 of {s.world} (the engine traced on fake "
-              "tensors)",
+                  "Tried fastest first (no offload, no recomputation, larger micro-batch, "
+                  "lower stage); this is the first whose traced peak fits.", ""]
+    lines += [f"Peak of training on rank 0 of {s.world} (two steps of the engine traced on "
+              "fake tensors)",
               f"  {s.model}: stage {s.stage}, offload {s.offload}, {s.dtype}, micro-batch "
               f"{s.micro_batch} x {s.seq_len} tokens, activation checkpointing "
               f"{'on' if s.activation_checkpointing else 'off'}",

@@ -274,8 +274,9 @@ def fake_world(rank: int, world: int) -> Iterator[Any]:
 
 class _FakeTracker(PeakTracker):
     """A :class:`PeakTracker` for fake tensors: a scalar read (``.item()``: the gradient
-    norm, the overflow check) has no data to read, so it answers 1.0 (0 for integers, False for booleans)
-    (no overflow, a unit norm); the step's allocations do not depend on those values."""
+    norm, the overflow check) has no data to read, so it answers 1.0 (0 for integers, False
+    for booleans): no overflow, a unit norm. The step's allocations are assumed not to depend
+    on those values (docs/BENCHMARKS.md says how close fake and real steps come)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:

@@ -95,3 +95,47 @@ def test_consolidate_without_export_says_so_and_exits_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "zerotrain.export", None)  # makes the import fail
     assert main(["consolidate", "ckpt", "out"]) == 2
     assert "zerotrain consolidate: not available" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the traced step
+_TINY = __import__("os").path.join(__import__("os").path.dirname(__file__), "fixtures",
+                                   "configs", "gpt2-tiny.json")
+
+
+def test_estimate_traces_one_step_and_prints_the_peak_as_json(capsys):
+    from zerotrain.planner import StepSpec, plan_peak
+
+    assert main(["estimate", "--model", _TINY, "--micro-batch", "2", "--seq-len", "32",
+                 "--gpus", "2", "--stage", "1", "--dtype", "fp32", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    expected = plan_peak(StepSpec(_TINY, micro_batch=2, seq_len=32, gpus=2, stage=1,
+                                  dtype="fp32"))
+    assert got["peak_bytes_per_rank"] == expected.peak_bytes > 0
+    assert got["peak_host_bytes_per_node"] == 0
+    assert got["peak_at"] in ("forward", "backward", "step")
+    # the breakdown is what was alive at the peak: it adds up to it
+    assert sum(got["breakdown"].values()) == got["peak_bytes_per_rank"]
+    assert {"parameters", "optimizer_state"} <= set(got["breakdown"])
+
+
+def test_estimate_fit_writes_a_config_that_loads(tmp_path, capsys):
+    path = tmp_path / "ds_config.json"
+    assert main(["estimate", "--model", _TINY, "--micro-batch", "2", "--seq-len", "32",
+                 "--gpus", "2", "--dtype", "fp32", "--fit", "100MB",
+                 "--write", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Fits 100.00 MB per GPU: stage 0, micro-batch 2 x 1")
+    config = load_config(json.loads(path.read_text()), world_size=2)
+    assert config.zero_optimization.stage == 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--params", "7B", "--stage", "3"], "needs --model"),
+    (["--model", _TINY, "--stage", "3", "--micro-batch", "2"], "--micro-batch/--seq-len"),
+    (["--model", _TINY, "--json", "--micro-batch", "2", "--seq-len", "8", "--write", "x"],
+     "--write"),
+])
+def test_estimate_trace_errors_name_the_option(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        main(["estimate", *argv])
+    assert needle in capsys.readouterr().err

@@ -48,7 +48,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("export",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine_api", "engine_reports", "ownership"), ("engine",), ("initialize",), ("__init__", "cli", "launch", "demo", "__main__"),
+    (("engine_api", "engine_reports", "ownership"), ("engine",), ("initialize",), ("planner",), ("__init__", "cli", "launch", "demo", "__main__"),
      ("integrations", "as_deepspeed")),
 )
 # Tiers whose members may import one another (entry points).
@@ -59,7 +59,8 @@ NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in 
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
 # The one package allowed to call collectives, and who may import the engine.
 COMM_MODULE = "comm"
-ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli"})
+ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli",
+                                              "planner"})
 # Names a module never imports although its row may: checkpoints and export reach a stage
 # only through checkpoint.state.ShardOwner and export.FullWeights.
 NEVER_IMPORTS: dict[str, frozenset[str]] = {

@@ -1,6 +1,9 @@
 """The ``zerotrain`` command.
 
     zerotrain estimate --params 7B --gpus 8 [--gpu-memory 80GB]   memory per GPU at each stage
+    zerotrain estimate --model config.json --micro-batch B --seq-len S --gpus 8 --fit 80GB
+                                                                  the traced peak of a step; the
+                                                                  fastest configuration that fits
     zerotrain demo [--stage 3] [--nproc 2]                        train a small GPT on CPUs
     zerotrain launch [torchrun options] script.py [args]          torchrun, under our name
     zerotrain launch --as-deepspeed [torchrun options] script.py   ... an unmodified DeepSpeed
@@ -73,6 +76,24 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=_typed(_positive_int), metavar="S",
                    help="tokens per sequence (activation estimate, with --model)")
     p.add_argument("--write", metavar="PATH", help="write the recommended ds_config.json here")
+    trace = p.add_argument_group(
+        "the peak of one real step (with --model, --micro-batch and --seq-len)",
+        "Any of these options traces one training step of the engine on fake tensors as "
+        "rank 0 of the world (nothing is allocated) and prints the predicted peak per rank, "
+        "where it happens and what is alive then.")
+    trace.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
+    trace.add_argument("--offload", choices=("none", "cpu", "nvme"),
+                       help="where the optimizer state lives (default none)")
+    trace.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute activations in backward (transformers models)")
+    trace.add_argument("--json", action="store_true",
+                       help="print one JSON object (peak_bytes_per_rank, "
+                       "peak_host_bytes_per_node, breakdown)")
+    trace.add_argument("--fit", type=_typed(parse_bytes), metavar="SIZE",
+                       help="memory per GPU (80GB): the fastest configuration whose traced "
+                       "peak fits, keeping micro-batch x accumulation; --write saves it")
+    trace.add_argument("--host-memory", type=_typed(parse_bytes), metavar="SIZE",
+                       help="host memory per node, for --fit")
     p.set_defaults(subparser=p)  # its errors then read "zerotrain estimate: error: ..."
 
 
@@ -118,8 +139,92 @@ def _model_shape(parser: argparse.ArgumentParser, spec: str) -> ModelShape:
                  "module:callable")
 
 
+def _traces(args: argparse.Namespace) -> bool:
+    return bool(args.stage is not None or args.offload or args.activation_checkpointing
+                or args.json or args.fit or args.host_memory)
+
+
+def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The traced peak of one step (``zerotrain.planner``), or with ``--fit`` the fastest
+    configuration that fits; the exit status."""
+    if not args.model:
+        parser.error("argument --stage/--offload/--activation-checkpointing/--json/--fit: "
+                     "tracing a step needs --model (a config.json or module:callable)")
+    if not (args.micro_batch and args.seq_len):
+        parser.error("argument --micro-batch/--seq-len: tracing a step needs both")
+    if args.write and not args.fit:
+        parser.error("argument --write: with a traced step it needs --fit")
+    from .planner import PlanError, StepSpec, ds_config_for, fit, plan_peak
+
+    spec = StepSpec(args.model, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                    gpus=args.gpus, nodes=args.nodes, stage=3 if args.stage is None else
+                    args.stage, offload=args.offload or "none", dtype=args.dtype,
+                    activation_checkpointing=args.activation_checkpointing)
+    try:
+        if not args.fit:
+            result = plan_peak(spec)
+        else:
+            result = fit(spec, args.fit, args.host_memory)
+    except (ValueError, OSError) as exc:
+        parser.error(f"argument --model: {exc}")
+    except PlanError as exc:
+        print(f"zerotrain estimate: {exc}", file=sys.stderr)
+        return 1
+    if args.fit and result is None:
+        print(f"no configuration of {args.model} fits {_size(args.fit)} per GPU"
+              + (f" and {_size(args.host_memory)} per node" if args.host_memory else "")
+              + " (tried stages 0-3, activation checkpointing, smaller micro-batches with "
+              "gradient accumulation, optimizer offload)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(_render_peak(result, args.fit))
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as handle:
+            json.dump(ds_config_for(result.spec), handle, indent=2)
+            handle.write("\n")
+        if not args.json:
+            print(f"\nwrote {args.write}")
+    return 0
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _render_peak(result, budget) -> str:
+    s = result.spec
+    lines = []
+    if budget:
+        why = [f"stage {s.stage}"]
+        if s.activation_checkpointing:
+            why.append("activation checkpointing")
+        if s.offload != "none":
+            why.append(f"optimizer offload to {s.offload}")
+        lines += [f"Fits {_size(budget)} per GPU: {', '.join(why)}, micro-batch "
+                  f"{s.micro_batch} x {s.gradient_accumulation} accumulation steps.",
+                  "Tried fastest first (no offload, no recomputation, larger micro-batch, "
+                  "lower stage); this is the first whose traced peak fits.", ""]
+    lines += [f"Peak of training on rank 0 of {s.world} (two steps of the engine traced on "
+              "fake tensors)",
+              f"  {s.model}: stage {s.stage}, offload {s.offload}, {s.dtype}, micro-batch "
+              f"{s.micro_batch} x {s.seq_len} tokens, activation checkpointing "
+              f"{'on' if s.activation_checkpointing else 'off'}",
+              f"  peak per rank: {_size(result.device_bytes)}, during {result.where}",
+              f"  host per node: {_size(result.host_bytes * s.gpus)}",
+              "  alive at the peak:"]
+    lines += [f"    {name:<26}{_size(n):>12}" for name, n in result.breakdown.items()]
+    return "\n".join(lines)
+
+
 def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print the estimate (and write the config with ``--write``); the exit status."""
+    if _traces(args):
+        return run_trace(args, parser)
     shape = _model_shape(parser, args.model) if args.model else None
     if (args.micro_batch or args.seq_len) and shape is None:
         parser.error("argument --micro-batch/--seq-len: the activation estimate needs "

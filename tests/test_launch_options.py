@@ -10,8 +10,12 @@ def torchrun(monkeypatch):
 
     seen = []
     monkeypatch.setattr(torch.distributed.run, "main", lambda argv: seen.append(argv))
-    monkeypatch.delenv("ZEROTRAIN_AUTO_RESUME", raising=False)
-    monkeypatch.delenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER", raising=False)
+    for name in ("ZEROTRAIN_AUTO_RESUME", "ZEROTRAIN_AUTO_RESUME_LAUNCHER"):
+        # setenv first so that teardown removes what `launch` sets in this process (a bare
+        # delenv of an absent variable records nothing, and the value would leak into the
+        # test processes started later, which are this process's children)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return seen
 
 

@@ -238,6 +238,8 @@ def fake_world(rank: int, world: int) -> Iterator[Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .comm.communicator import Communicator
+    from .comm.trail import CollectiveTrail
+    from .zero3.gather_check import GatherCheck
 
     if dist.is_initialized():
         raise RuntimeError("the planner needs a process without a process group (it runs "
@@ -255,8 +257,13 @@ def fake_world(rank: int, world: int) -> Iterator[Any]:
 
     env = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK")}
     os.environ.update(LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", LOCAL_RANK=str(rank))
+    # a fake collective returns no data: the divergence checks (the gather headers, the
+    # step fingerprint) have nothing to compare, so they agree (one rank is traced)
+    saved_agreed, saved_verify = CollectiveTrail.__dict__["agreed"], GatherCheck.verify
     Communicator.all_gather_object = all_gather_object
     torch.nn.Module._apply = apply
+    CollectiveTrail.agreed = staticmethod(lambda sums, world: True)
+    GatherCheck.verify = lambda self, headers, mine, rank: None
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -265,6 +272,7 @@ def fake_world(rank: int, world: int) -> Iterator[Any]:
         dist.destroy_process_group()
         Communicator.all_gather_object = saved_gather
         torch.nn.Module._apply = saved_apply
+        CollectiveTrail.agreed, GatherCheck.verify = saved_agreed, saved_verify
         for k, v in env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -166,15 +166,23 @@ def _flat_runs(rank, world):
     all-gather carrying the header, counted on the ledger per unit gather."""
     from zerotrain.comm import Communicator
     from zerotrain.zero3.unit import Unit
-    Communicator.gathers_flat = lambda self, device: True
+    gathers_flat, start_gather = Communicator.gathers_flat, Unit.start_gather
     starts = []
-    start_gather = Unit.start_gather
 
     def counted(unit):
         if unit.spec.params and unit.shard_numel:
             starts.append(len(unit.spec.params))
         return start_gather(unit)
+    # the pool's ranks run later tests too: the patches are undone whatever happens
+    Communicator.gathers_flat = lambda self, device: True
     Unit.start_gather = counted
+    try:
+        return _flat_runs_patched(rank, starts)
+    finally:
+        Communicator.gathers_flat, Unit.start_gather = gathers_flat, start_gather
+
+
+def _flat_runs_patched(rank, starts):
     engine, model = _engine(3, leaf=True)
     ledger = engine.comm.ledger
     ledger.reset()

@@ -15,3 +15,17 @@ def worlds():
     pools = Worlds()
     yield pools
     pools.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_the_test_process():
+    """Tests run their ranks in other processes; a default process group left in this one
+    (by a test that initialised in-process) would make later tests see a world they did not
+    make. It is destroyed after the test that left it, with a warning naming that test."""
+    yield
+    import warnings
+
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        warnings.warn("a test left a default process group in the test process; destroyed")

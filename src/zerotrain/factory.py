@@ -10,7 +10,8 @@ from torch import nn
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
 from .comm import Communicator
 from .errors import ConfigError
-from .offload import OffloadPlan, Transfers, build_param_storage, build_storage, build_updater
+from .offload import (DeviceStorage, OffloadPlan, Transfers, build_param_storage, build_storage,
+                      build_updater, place_masters)
 from .precision import PrecisionPolicy
 from .zero3.stage import PartitionedDataParallel
 from .stages.base import Stage, StepOutcome
@@ -58,7 +59,10 @@ def build_stage(stage: int, *, module: nn.Module,
                                        make_optimizer=optimizer_here, storage=storage,
                                        param_storage=build_param_storage(offload, comm.rank,
                                                                          device, transfers),
-                                       make_updater=make_updater)
+                                       make_updater=make_updater,
+                                       place_masters=functools.partial(
+                                           place_masters, offload, storage,
+                                           DeviceStorage(device, transfers)))
     plan = ShardPlan(
         shard_world=1 if stage == 0 else comm.world_size,
         reduce_bucket_numel=offload.record_numel(int(zero_config.reduce_bucket_size)),

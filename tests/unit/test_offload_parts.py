@@ -25,8 +25,8 @@ def _zero(**zero):
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device"),
     ({"stage": 2, "offload_param": {"device": "cpu"},
       "offload_optimizer": {"device": "cpu"}}, "offload_param.device"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
-     "offload_optimizer.ratio"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+      "offload_param": {"device": "cpu"}}, "offload_optimizer.ratio"),
     ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5}},
      "offload_optimizer.ratio"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5, "dpu": True}},
@@ -56,6 +56,29 @@ def test_offloaded_records_are_capped_for_overlap_at_stages_1_2():
     assert offloaded.record_numel(500_000_000) == OFFLOAD_RECORD_NUMEL == 50_000_000
     assert offloaded.record_numel(1000) == 1000
     assert OffloadPlan.from_config(_zero(stage=2)).record_numel(500_000_000) == 500_000_000
+
+
+def test_ratio_keeps_the_first_records_on_the_device_as_deepspeed_splits():
+    """DeepSpeed's stage 3 sends sub-group i to the host from ``int((1 - ratio) * n)`` on;
+    stage 3 here places whole units (a unit's masters are one tensor), rounding down."""
+    from zerotrain.offload import DeviceStorage, place_masters
+    plan = OffloadPlan.from_config(_zero(stage=3, offload_optimizer={"device": "cpu",
+                                                                     "ratio": 0.7}))
+    assert [plan.records_on_device(n) for n in (1, 3, 10)] == [0, 0, 3]   # as DeepSpeed
+    host, device = HostStorage(), DeviceStorage(torch.device("cpu"))
+    records = [2, 1, 2, 2, 0, 3]   # 10 records in 6 units
+    assert place_masters(plan, host, device, records) == [device, device] + [host] * 4
+    most = OffloadPlan.from_config(_zero(stage=3, offload_optimizer={"device": "cpu",
+                                                                     "ratio": 0.6}))
+    # 4 records kept: the third unit would make 5, so whole units keep 3
+    assert place_masters(most, host, device, records) == [device] * 2 + [host] * 4
+    everything = OffloadPlan.from_config(_zero(stage=3, offload_optimizer={"device": "cpu",
+                                                                           "ratio": 0.0}))
+    assert place_masters(everything, host, device, records) == [device] * 6
+    nothing = OffloadPlan.from_config(_zero(stage=3, offload_optimizer={"device": "cpu"}))
+    assert place_masters(nothing, host, device, records) == [host] * 6
+    assert place_masters(OffloadPlan.from_config(_zero(stage=3)), device, host,
+                         records) == [device] * 6
 
 
 def test_plan_reads_devices_and_delay():

@@ -16,11 +16,11 @@ offload these are the device ones.
 from .gradients import Gradients, HostGradients
 from .plan import OffloadPlan
 from .storage import (DeviceStorage, HostStorage, NvmeStorage, Storage, build_param_storage,
-                      build_storage)
+                      build_storage, place_masters)
 from .transfers import CopyLedger, Transfers
 from .updater import DeviceUpdater, HostUpdater, build_updater
 
 __all__ = ["CopyLedger", "Gradients", "HostGradients", "Transfers", "OffloadPlan",
            "DeviceStorage", "HostStorage", "NvmeStorage", "Storage",
            "DeviceUpdater", "HostUpdater", "build_param_storage", "build_storage",
-           "build_updater"]
+           "build_updater", "place_masters"]

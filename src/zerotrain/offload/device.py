@@ -16,7 +16,8 @@ class DeviceUpdater:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
-    def attach(self, masters: Sequence[torch.Tensor]) -> None:
+    def attach(self, masters: Sequence[torch.Tensor],
+               on_device: Optional[Sequence[int]] = None) -> None:
         pass
 
     def step(self, masters: Sequence[torch.Tensor], grads: Gradients,

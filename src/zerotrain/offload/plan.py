@@ -23,7 +23,7 @@ class OffloadPlan:
     validated after it (``offload/speculation.py``).
     trace_path: where to write the host step's per-record timeline (``offload/trace.py``).
     ratio: the fraction of the records offloaded (DeepSpeed's key): the first ``1 - ratio``
-    of them keep their state on the device and are stepped there.
+    of them keep their state on the device and are stepped there (``records_on_device``).
     """
 
     optimizer: str = "none"
@@ -45,6 +45,16 @@ class OffloadPlan:
         if not self.optimizer_offloaded:
             return bucket_numel
         return min(bucket_numel, OFFLOAD_RECORD_NUMEL)
+
+    def records_on_device(self, records: int) -> int:
+        """How many of ``records`` (in layout order) keep their fp32 state on the device:
+        DeepSpeed's split of its sub-groups, ``int((1 - ratio) * n)``, the first ones
+        (stage 3's ``subgroup_to_device``: sub-group i goes to the host from that index on).
+        The last records' gradients arrive first in backward, so the host steps those
+        while the rest of backward runs."""
+        if not self.optimizer_offloaded:
+            return records
+        return int((1 - self.ratio) * records)
 
     @property
     def optimizer_offloaded(self) -> bool:
@@ -75,11 +85,15 @@ class OffloadPlan:
                               'offload is not supported; use 1.0 (all) or device "none"',
                               value=par.ratio)
         ratio = opt.ratio if opt is not None and opt_device != "none" else 1.0
-        if ratio != 1.0 and (opt_device != "cpu" or zero.stage == 3 or (opt and opt.dpu)):
+        if ratio != 1.0 and (opt_device != "cpu" or (opt and opt.dpu)):
             raise ConfigError(f"{key}.ratio", "partial optimizer offload (the first "
                               "1 - ratio of the records stepped on the device) is supported "
-                              'with device "cpu" at stages 1-2, without dpu; use 1.0 here',
-                              value=ratio)
+                              'with device "cpu", without dpu; use 1.0 here', value=ratio)
+        if ratio != 1.0 and par_device != "none":
+            raise ConfigError(f"{key}.ratio", "partial optimizer offload keeps some fp32 "
+                              "masters on the device, but offload_param keeps the parameter "
+                              "shards on the host, where their masters must be too; use "
+                              'ratio 1.0 or offload_param.device "none"', value=ratio)
         dpu = bool(opt is not None and opt.dpu)
         if dpu and opt_device == "none":
             raise ConfigError(f"{key}.dpu", "the delayed parameter update overlaps the host "

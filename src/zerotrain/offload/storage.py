@@ -461,6 +461,24 @@ def build_storage(plan: OffloadPlan, rank: int, device: torch.device,
     return DeviceStorage(device, transfers)
 
 
+def place_masters(plan: OffloadPlan, storage: Storage, device: Storage,
+                  records: Sequence[int]) -> list[Storage]:
+    """Stage 3: where each unit's fp32 masters live, for units of ``records[u]`` records
+    each, in layout order (Note "partial offload" in updater.py). With
+    ``offload_optimizer.ratio`` below 1 the first ``plan.records_on_device`` records stay
+    on the device, rounded down to whole units (a unit's masters are one tensor), so the
+    device never holds more than the ratio leaves it; the other units' masters live in
+    ``storage``."""
+    if not plan.optimizer_offloaded:
+        return [storage] * len(records)
+    kept = plan.records_on_device(sum(records))
+    out, first = [], 0
+    for count in records:
+        first += count
+        out.append(device if first <= kept else storage)
+    return out
+
+
 def build_param_storage(plan: OffloadPlan, rank: int, device: torch.device,
                         transfers: Optional[Transfers] = None) -> Storage:
     """Where stage-3 parameter shards live between uses: the device, host memory (pinned

@@ -40,6 +40,12 @@ Note: partial offload
     are stepped there with the device update's arithmetic (``Gradients.on_device``, the
     same kernel over the record alone) and published by a cast where they are. The host
     steps the rest as usual, so the host's share of the step shrinks by the ratio kept.
+    At stage 3 a record's master is a view of its unit's master, so the stage places
+    whole units instead (``storage.place_masters``: the first records, rounded down to
+    whole units, allocated on the device from the start) and names them to ``attach``.
+    Either way the first records are the last whose gradients arrive in backward: the
+    host steps the others while backward still runs, and the device steps these at the
+    end, when the host has the least left to do.
 
 Note: delayed parameter update
     With ``offload_optimizer.dpu`` the step does not wait for the host: the gradients are
@@ -123,11 +129,14 @@ class HostUpdater:
         self.timings: dict[str, float] = defaultdict(float)
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, masters: Sequence[torch.Tensor]) -> None:
+    def attach(self, masters: Sequence[torch.Tensor],
+               on_device: Optional[Sequence[int]] = None) -> None:
         """Give each master its optimizer state up front, allocated by the storage (NVMe
-        needs the state in its files; the optimizer then finds it and does not allocate)."""
+        needs the state in its files; the optimizer then finds it and does not allocate).
+        ``on_device``: the records whose masters the stage placed on the device itself
+        (stage 3, ``place_masters``); without it the first ``1 - ratio`` are moved there."""
         self._masters = list(masters)
-        self._keep_on_device(masters)
+        self._keep_on_device(masters, on_device)
         if not self.storage.swaps:
             return
         for group in self.optimizer.param_groups:
@@ -150,17 +159,20 @@ class HostUpdater:
                 self.kept.reserve(k, {"master": master, **self._homes[id(master)]})
         self.storage.reserve_slots(numel)
 
-    def _keep_on_device(self, masters: Sequence[torch.Tensor]) -> None:
+    def _keep_on_device(self, masters: Sequence[torch.Tensor],
+                        placed: Optional[Sequence[int]] = None) -> None:
         """``offload_optimizer.ratio``: the first ``1 - ratio`` of the records (DeepSpeed's
         split of its sub-groups) move their masters to the device, where their state is
-        then created and stepped; they never cross (Note "partial offload")."""
-        keep = int((1 - self.ratio) * len(masters))
+        then created and stepped; they never cross (Note "partial offload"). ``placed``:
+        records whose masters are on the device already."""
         transfers = self.storage.transfers
-        for k in range(keep):
-            master = masters[k]
-            if transfers.cuda:
-                master.data = master.data.to(transfers.device)
-            transfers.resident.add(id(master))
+        if placed is None:
+            placed = range(int((1 - self.ratio) * len(masters)))
+            for k in placed:
+                if transfers.cuda:
+                    masters[k].data = masters[k].data.to(transfers.device)
+        for k in placed:
+            transfers.resident.add(id(masters[k]))
             self._on_device.add(k)
 
     # ------------------------------------------------------------------ stepping

@@ -53,7 +53,9 @@ class PartitionedDataParallel(BucketedStage):
                  comm: Communicator, policy: PrecisionPolicy, zero_config,
                  make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
                  storage: Storage, param_storage: Storage,
-                 make_updater: Callable[[torch.optim.Optimizer], Any]) -> None:
+                 make_updater: Callable[[torch.optim.Optimizer], Any],
+                 place_masters: Optional[Callable[[list[int]], list[Storage]]] = None
+                 ) -> None:
         self.module = module
         groups3 = build_groups(comm, zero_config)   # hpZ, MiCS, qwZ, qgZ (hierarchical.py)
         comm = self.comm = groups3.shard
@@ -70,10 +72,15 @@ class PartitionedDataParallel(BucketedStage):
                             persistence_threshold=int(
                                 zero_config.stage3_param_persistence_threshold))
         quantize_frozen = bool(zero_config.zero_quantized_nontrainable_weights)
+        # where each unit's masters live (offload_optimizer.ratio keeps the first units'
+        # on the device: storage.place_masters)
+        counts = [len({group_of.get(id(p)) for p in spec.params} - {None}) for spec in specs]
+        self._master_storage = (place_masters(counts) if place_masters is not None
+                                else [storage] * len(specs))
         self.units = [Unit(spec, comm=comm, policy=policy, group_of=group_of, device=device,
-                           storage=storage, shard_storage=param_storage, wire=self.wire,
+                           storage=where, shard_storage=param_storage, wire=self.wire,
                            quantize_frozen=quantize_frozen)
-                      for spec in specs]
+                      for spec, where in zip(specs, self._master_storage)]
         # decoded frozen records handed to checkpoints: (unit, tensor, its version then)
         self._decoded: list[tuple[Unit, weakref.ref, int]] = []
         # records: one per (unit, optimizer group), in unit order; frozen slices apart
@@ -89,7 +96,10 @@ class PartitionedDataParallel(BucketedStage):
             per_group[s.group].append(master)
         self.optimizer = make_optimizer(per_group)
         self.updater = make_updater(self.optimizer)   # offload/updater.py
-        self.updater.attach(self._masters)
+        where = {id(u): self._master_storage[i] for i, u in enumerate(self.units)}
+        self._record_storage = [where[id(unit)] for unit, _ in self._records]
+        self.updater.attach(self._masters, on_device=[
+            k for k, place in enumerate(self._record_storage) if place is not storage])
         self.storage = storage
         self.param_storage = param_storage
         self.buckets = ReduceScatterEveryMicroStep(
@@ -179,7 +189,7 @@ class PartitionedDataParallel(BucketedStage):
         if unit.shard is not unit.master:   # host to host, or sent up by the master's storage
             self.param_storage.fill_from_master(
                 unit.shard[s.column: s.column + s.layout.shard_numel], self._masters[k],
-                master_storage=self.storage)
+                master_storage=self._record_storage[k])
         unit.shards_changed()   # hpZ's secondary copy is stale now
 
     def finish_publish(self) -> None:
@@ -274,17 +284,22 @@ class PartitionedDataParallel(BucketedStage):
         return peaks
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
-        # list(): a delayed update's worker may be adding state entries meanwhile
-        state = [t for st in list(self.optimizer.state.values()) for t in list(st.values())
-                 if isinstance(t, torch.Tensor)]
         shards = [u.shard for u in self.units] + [u.frozen.packed for u in self.units
                                                   if u.frozen is not None]
         full = [u.full for u in self.units]
         where = self.param_storage.memory_category("parameters")
-        return {"parameters": full, where: shards, "hpz_parameters": self.wire.tensors(),
-                "gradients": self.buckets.tensors(),
-                self.state_category: [u.master for u in self.units] + state,
-                "host_gradients": self.updater.host_tensors()}
+        out = {"parameters": full, where: shards, "hpz_parameters": self.wire.tensors(),
+               "gradients": self.buckets.tensors(), self.state_category: [],
+               "host_gradients": self.updater.host_tensors()}
+        for unit, place in zip(self.units, self._master_storage):   # ratio: some on device
+            out.setdefault(place.memory_category("optimizer_state"), []).append(unit.master)
+        for (unit, s), master, place in zip(self._records, self._masters,
+                                            self._record_storage):
+            # list(): a delayed update's worker may be adding state entries meanwhile
+            out[place.memory_category("optimizer_state")] += [
+                t for t in list(self.optimizer.state.get(master, {}).values())
+                if isinstance(t, torch.Tensor)]
+        return out
 
 
 def _warn_if_partitioned(module: nn.Module, state_dict: dict, prefix: str,

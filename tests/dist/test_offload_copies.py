@@ -113,7 +113,10 @@ def _partial(rank, world, stage, ratio):
     engine, *_ = zerotrain.initialize(model=model, config=config)
     R.train_engine(engine, steps=STEPS, rank=rank, ga=1)
     records = [r.master.numel() for r in engine.stage.shard_records()]
+    held = engine.stage.tensors_by_category()
     out = {"host": engine.host_traffic.snapshot(), "records": records,
+           "masters": {where: sum(t.numel() for t in held.get(where, []) if t.dim() == 1)
+                       for where in ("optimizer_state", "host_optimizer_state")},
            "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
     engine.close()
     return out
@@ -138,5 +141,8 @@ def test_partial_offload_keeps_the_first_records_on_the_device_exactly(worlds):
             assert got["host"]["adam"] == {"read": 16 * offloaded * STEPS,
                                            "written": 12 * offloaded * STEPS}, got["host"]
             assert got["host"]["upload"] == {"read": 4 * offloaded * STEPS, "written": 0}
+            # masters and moments (3 per element) counted where they live
+            assert got["masters"] == {"optimizer_state": 3 * sum(records[:kept]),
+                                      "host_optimizer_state": 3 * offloaded}, got["masters"]
             for name, value in plain["weights"].items():
                 assert torch.equal(got["weights"][name], value), (stage, name)

@@ -38,8 +38,10 @@ Note: partial offload
     its sub-groups, move their fp32 masters to the device at ``attach``; their optimizer
     state is created there, their gradients never leave the device, and at the step they
     are stepped there with the device update's arithmetic (``Gradients.on_device``, the
-    same kernel over the record alone) and published by a cast where they are. The host
-    steps the rest as usual, so the host's share of the step shrinks by the ratio kept.
+    same kernel over the record alone) and published by a cast where they are, before
+    any record is stepped on the host: on a GPU their kernels are queued at once and run
+    while the host steps the rest as usual, so the step's host part shrinks by the ratio
+    kept and the device's part hides behind it.
     At stage 3 a record's master is a view of its unit's master, so the stage places
     whole units instead (``storage.place_masters``: the first records, rounded down to
     whole units, allocated on the device from the start) and names them to ``attach``.
@@ -312,11 +314,13 @@ class HostUpdater:
         if todo:
             self._prefetch(masters, todo[0])
             self._fetch_ready(todo[0], grads)
+        for k in order:   # first: on a GPU their kernels then run while the host steps
+            if k in self._on_device:
+                self._step_on_device(k, masters[k], grads, publish)
         ahead = iter(todo[1:])
         for k in order:
             stepped = k not in done
             if k in self._on_device:
-                self._step_on_device(k, masters[k], grads, publish)
                 continue
             if stepped:
                 following = next(ahead, None)

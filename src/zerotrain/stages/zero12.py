@@ -236,15 +236,19 @@ class ShardedDataParallel(BucketedStage):
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this stage holds, for distinct-storage accounting."""
         params = [p for g in self.groups for p in g.params]
-        # list(): a delayed update's worker may be adding state entries meanwhile
-        state = [t for s in list(self.optimizer.state.values()) for t in list(s.values())
-                 if isinstance(t, torch.Tensor)]
-        return {
+        out = {
             "parameters": params,
             "gradients": self.buckets.tensors() + [p.grad for p in params],
-            self.state_category: [g.master for g in self.groups] + state,
+            self.state_category: [], "optimizer_state": [],
             "host_gradients": self.updater.host_tensors(),
         }
+        resident = self.storage.transfers.resident   # offload_optimizer.ratio: on the device
+        for g in self.groups:
+            where = "optimizer_state" if id(g.master) in resident else self.state_category
+            # list(): a delayed update's worker may be adding state entries meanwhile
+            out[where] += [g.master] + [t for t in list(self.optimizer.state.get(
+                g.master, {}).values()) if isinstance(t, torch.Tensor)]
+        return out
 
 
 def _gather_pieces(layout: FlatLayout, bucket_numel: int) -> list[list[Block]]:

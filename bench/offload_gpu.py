@@ -40,7 +40,8 @@ with an untied head):
 ``--dpu`` adds ``"dpu": true`` (the one-step delayed parameter update) to every zerotrain
 case's ``offload_optimizer``; ``--speculative`` adds ``"speculative": true`` (the host step
 taken during backward, validated after it) and ``--trace DIR`` writes each zerotrain case's
-per-record host-step timeline to ``DIR/<case>.json`` (a Chrome trace, docs/offload.md). Warnings from ``zerotrain.initialize`` that mention offload go
+per-record host-step timeline to ``DIR/<case>.json`` (a Chrome trace, docs/offload.md);
+``--ratio R`` keeps ``1 - R`` of ``zt_z2_cpu``'s optimizer on the GPU (``offload_optimizer.ratio``). Warnings from ``zerotrain.initialize`` that mention offload go
 to the table's notes column: a config that silently trains without offload must not pass
 for one that offloads.
 """
@@ -112,6 +113,8 @@ def zerotrain_config(case: str, args) -> dict:
         offload_optimizer["dpu"] = True
     if args.speculative:
         offload_optimizer["speculative"] = True
+    if args.ratio is not None and case == "zt_z2_cpu":
+        offload_optimizer["ratio"] = args.ratio
     if args.trace:
         offload_optimizer["trace_path"] = os.path.join(args.trace, f"{case}.json")
     zero = {"stage": 3 if case == "zt_z3_cpu" else 2, "overlap_comm": True,
@@ -374,6 +377,9 @@ def parse_args(argv=None):
                         help='add "dpu": true to offload_optimizer in zerotrain cases')
     parser.add_argument("--speculative", action="store_true",
                         help='add "speculative": true to offload_optimizer in zerotrain cases')
+    parser.add_argument("--ratio", type=float, metavar="R",
+                        help='add "ratio": R (the share of the optimizer stepped on the host; '
+                             'docs/offload.md, "With ratio") to zt_z2_cpu')
     parser.add_argument("--trace", metavar="DIR",
                         help="write each zerotrain case's host-step timeline to DIR/<case>.json")
     parser.add_argument("--grad-accum", choices=("fp32", "bf16"),

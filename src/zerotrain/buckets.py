@@ -175,6 +175,11 @@ class GradientBuckets:
         """The gradient buffers held now (for memory accounting)."""
         raise NotImplementedError
 
+    def reduced_tensors(self) -> list[torch.Tensor]:
+        """Of ``tensors()``, the reduced shard sums (DeepSpeed's ``lp_grads``); the others
+        are accumulation and staging buffers (its ``contiguous_grad_buffer``)."""
+        return []
+
     # ------------------------------------------------------------ the machinery
     def begin(self, boundary: bool) -> None:
         """Start a micro-step's backward (called implicitly by the first gradient)."""
@@ -375,6 +380,9 @@ class ReduceScatterAtBoundary(_FullAccumulation):
     def tensors(self) -> list[torch.Tensor]:
         return super().tensors() + [t for t in self._shard if t is not None]
 
+    def reduced_tensors(self) -> list[torch.Tensor]:
+        return [t for t in self._shard if t is not None]
+
 
 class ReduceScatterEveryMicroStep(GradientBuckets):
     """Stage 2: reduce-scatter each micro-step's blocks into a persistent shard sum."""
@@ -438,3 +446,6 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self._staging.values()) + [t for t in self._shard if t is not None]
+
+    def reduced_tensors(self) -> list[torch.Tensor]:
+        return [t for t in self._shard if t is not None]

@@ -48,6 +48,7 @@ from .engine_api import DeepSpeedEngineAPI
 from .engine_reports import EngineReports, reach_totals
 from .errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
+from .offload import states as moved_states
 from .optim import InferenceOnlyOptimizer, ZeroOptimizer
 from .optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage
@@ -99,6 +100,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
         self.host_traffic = stage.host_traffic    # host memory bytes, by phase of the step
         self._compilation: Optional[Compilation] = None
+        self._moved = moved_states.StateMover(self.device)   # offload_states / reload_states
         self._auto_cast = ((config.fp16.enabled and config.fp16.auto_cast)
                            or (config.bf16.enabled and config.bf16.auto_cast))
         if not self.inference_only or config.zero_optimization.stage == 3:
@@ -110,6 +112,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         """Run the module; floating inputs are cast to the parameter dtype only when
         ``fp16.auto_cast`` (DeepSpeed's) or ``bf16.auto_cast`` (zerotrain's opt-in) is set,
         and otherwise reach the module as given, as in DeepSpeed."""
+        moved_states.refuse_while_away(self._moved, "forward()", parameters_only=True)
         with self._timers.time("forward"):
             if self._auto_cast:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
@@ -151,6 +154,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         """Before a backward's gradients exist: tell the stage whether it ends the window.
         Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
         accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
+        moved_states.refuse_while_away(self._moved, "backward()")
         self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
                                   local=self.inside_no_sync_ctxt)
         return 1.0 / self.gradient_accumulation_steps()
@@ -187,6 +191,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
         self._refuse_without_optimizer("step()")
+        moved_states.refuse_while_away(self._moved, "step()")
         with self._timers.time("step"):
             try:
                 if self.is_gradient_accumulation_boundary():
@@ -412,25 +417,26 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
 
     def offload_states(self, include: Optional[Any] = None, device: Any = "cpu",
                        pin_memory: bool = True, non_blocking: bool = False) -> None:
-        """DeepSpeed's ``offload_states``: move training states to the host to free
-        accelerator memory. Where every state already lives on the host (a CPU run) there is
-        nothing to move and this returns; on an accelerator it refuses by name rather than
-        pretend to have freed memory."""
-        self._states_on_host("offload_states", device)
+        """DeepSpeed's ``offload_states``: move the named training states (all by default:
+        ``OffloadStateTypeEnum``) to the host to free accelerator memory, values kept
+        (Note in offload/states.py); ``reload_states()`` brings them back. States already
+        on the host (offloaded by the config, or a CPU run) stay where they are."""
+        kinds = moved_states.requested_kinds(
+            include, device, param_offloaded=self.config.zero_optimization.offload_param
+            is not None and self.config.zero_optimization.offload_param.device != "none",
+            inference_only=self.inference_only)
+        if kinds is None:
+            logger.warning("offload_states(device='none'): nothing to move")
+            return
+        self.settle()
+        self.empty_partition_cache()
+        self._moved.offload(self.stage.movable_states(), self.stage.state_views(), kinds,
+                            pin_memory=pin_memory, non_blocking=non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """DeepSpeed's ``reload_states``: the inverse of :meth:`offload_states`."""
-        self._states_on_host("reload_states", "cpu")
-
-    def _states_on_host(self, call: str, device: Any) -> None:
-        if str(getattr(device, "value", device)) != "cpu":
-            raise StateError(f"engine.{call}(device={device!r}): only 'cpu' is supported")
-        held = [t for ts in self.stage.tensors_by_category().values() for t in ts]
-        elsewhere = sorted({str(t.device) for t in held if t.device.type != "cpu"})
-        if elsewhere:
-            raise StateError(f"engine.{call}() is not implemented for states on "
-                             f"{', '.join(elsewhere)}: zerotrain moves states to the host "
-                             "only through zero_optimization.offload_optimizer/offload_param")
+        """DeepSpeed's ``reload_states``: every state ``offload_states`` moved back on the
+        device."""
+        self._moved.reload(non_blocking=non_blocking)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save`` (Accelerate
@@ -520,6 +526,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
                            "loading strictly")
         if self.inference_only:   # as in DeepSpeed: no optimizer, so only the weights
             load_optimizer_states = load_lr_scheduler_states = False
+        moved_states.refuse_while_away(self._moved, "load_checkpoint()")
         self.settle()
         self.wait_for_checkpoint()
         result = checkpoint.load_checkpoint(

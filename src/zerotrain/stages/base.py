@@ -121,6 +121,14 @@ class Stage(Protocol):
         """The submodules of ``module`` whose forwards ``torch.compile`` may trace whole:
         no hook of the stage that gathers or releases runs inside them (``compile.py``)."""
 
+    def movable_states(self) -> dict[str, list[torch.Tensor]]:
+        """``engine.offload_states``: the tensors of each kind (DeepSpeed's
+        ``OffloadStateTypeEnum`` names) that live on the training device now."""
+
+    def state_views(self) -> list[torch.Tensor]:
+        """Every tensor object the stage holds that may view those tensors' storages (Note
+        "moving storages, not tensors" in offload/states.py)."""
+
 
 class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
@@ -269,6 +277,20 @@ class BucketedStage:
     def compile_targets(self, module: nn.Module) -> list[CompileTarget]:
         """The whole module: these stages hook only parameters, never module calls."""
         return [CompileTarget("", module)]
+
+    def _state_of(self, masters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The optimizer's state tensors of ``masters``."""
+        return [t for m in masters for t in list(self.optimizer.state.get(m, {}).values())
+                if isinstance(t, torch.Tensor)]
+
+    def _gradient_states(self) -> dict[str, list[torch.Tensor]]:
+        """The buckets' tensors as ``offload_states`` names them: reduced shard sums
+        (``lp_grads``) and accumulation or staging buffers (``contiguous_grad_buffer``)."""
+        reduced = self.buckets.reduced_tensors()
+        ids = {id(t) for t in reduced}
+        return {"lp_grads": reduced,
+                "contiguous_grad_buffer": [t for t in self.buckets.tensors()
+                                           if id(t) not in ids]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -232,6 +232,25 @@ class ShardedDataParallel(BucketedStage):
                             group_index=g.group_index)
                 for g in self.groups]
 
+    # ------------------------------------------------------------------ offload_states
+    def movable_states(self) -> dict[str, list[torch.Tensor]]:
+        """Masters and their state where they are on the device (not offloaded, or kept by
+        ``offload_optimizer.ratio``), the parameters, the gradient buffers."""
+        resident = self.storage.transfers.resident
+        masters = [g.master for g in self.groups
+                   if not self.storage.steps_on_host() or id(g.master) in resident]
+        params = [p for g in self.groups for p in g.params]
+        states = self._gradient_states()
+        states["lp_grads"] = states["lp_grads"] + [p.grad for p in params if p.grad is not None]
+        return {"optim_states": self._state_of(masters), "hp_params": masters,
+                "lp_params": params, **states}
+
+    def state_views(self) -> list[torch.Tensor]:
+        masters = [g.master for g in self.groups]
+        params = [p for g in self.groups for p in g.params]
+        return (masters + params + [p.grad for p in params if p.grad is not None]
+                + self._state_of(masters) + self.buckets.tensors())
+
     # ------------------------------------------------------------------ memory
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this stage holds, for distinct-storage accounting."""

@@ -271,6 +271,35 @@ class PartitionedDataParallel(BucketedStage):
                            shapes=[tuple(p.ds_shape) for p in params], layout=s.layout,
                            master=master, optimizer_state={}, group_index=FROZEN)
 
+    # ------------------------------------------------------------------ offload_states
+    def movable_states(self) -> dict[str, list[torch.Tensor]]:
+        """Masters and their state where they are on the device (not offloaded, or kept by
+        ``offload_optimizer.ratio``), the parameter-dtype shards (with the full parameters
+        of persistent units and int8 frozen chunks) unless ``offload_param`` keeps them on
+        the host, and the gradient buffers."""
+        on_device = [not place.steps_on_host() for place in self._master_storage]
+        masters = [u.master for u, here in zip(self.units, on_device) if here]
+        views = [m for m, place in zip(self._masters, self._record_storage)
+                 if not place.steps_on_host()]
+        params: list[torch.Tensor] = []
+        if not self.param_storage.steps_on_host():
+            params = ([u.shard for u in self.units]
+                      + [u.frozen.packed for u in self.units if u.frozen is not None]
+                      + [u.full for u in self.units if u.spec.persistent])
+        return {"optim_states": self._state_of(views), "hp_params": masters,
+                "lp_params": params, **self._gradient_states()}
+
+    def state_views(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for u in self.units:
+            out += [u.master, u.shard, u.full, *u.segments, *u.views]
+            if u.frozen is not None:
+                out.append(u.frozen.packed)
+            for p in u.spec.params:
+                out += [p, getattr(p, "ds_tensor", None), getattr(p, "ds_master", None)]
+        return ([t for t in out if t is not None] + list(self._masters)
+                + self._state_of(self._masters) + self.buckets.tensors())
+
     def memory_peaks(self) -> dict[str, int]:
         """Bytes of gathered parameters between forward and backward: when the last backward
         began, and the highest of those so far; with leaf modules, the largest leaf's full

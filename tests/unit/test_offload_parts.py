@@ -270,3 +270,24 @@ def test_delayed_update_takes_gradients_per_record_once_the_running_update_is_pa
     assert torch.equal(masters[1], torch.full((3,), -3.0))
     assert updater.storage.transfers.ledger.nbytes["to_host"] == 2 * 4 * 7   # once each
     updater.close()
+
+
+def test_offload_states_requests_are_checked_as_deepspeed_checks_them():
+    from zerotrain.errors import StateError
+    from zerotrain.offload.states import KINDS, requested_kinds
+    from zerotrain.offload_names import OffloadDeviceEnum, OffloadStateTypeEnum
+    assert KINDS == tuple(kind.value for kind in OffloadStateTypeEnum)
+    ask = dict(param_offloaded=False, inference_only=False)
+    assert requested_kinds(None, "cpu", **ask) == list(KINDS)
+    assert requested_kinds([OffloadStateTypeEnum.optim_states, "lp_grads"],
+                           OffloadDeviceEnum.cpu, **ask) == ["optim_states", "lp_grads"]
+    assert requested_kinds(OffloadStateTypeEnum.hp_params, "cpu", **ask) == ["hp_params"]
+    assert requested_kinds(None, OffloadDeviceEnum.none, **ask) is None
+    with pytest.raises(ValueError, match="unknown state 'gradients'"):
+        requested_kinds(["gradients"], "cpu", **ask)
+    with pytest.raises(StateError, match="only 'cpu'"):
+        requested_kinds(None, OffloadDeviceEnum.nvme, **ask)
+    with pytest.raises(StateError, match="offload_param"):
+        requested_kinds(None, "cpu", param_offloaded=True, inference_only=False)
+    with pytest.raises(StateError, match="without an optimizer"):
+        requested_kinds(None, "cpu", param_offloaded=False, inference_only=True)

@@ -6,7 +6,8 @@ pinned RAM, or files under ``nvme_path``) and swaps NVMe-backed tensors through 
 buffers; ``updater.py`` runs the optimizer step on the host one record at a time,
 overlapping the copies (``device.py``: on the device in one call); ``speculation.py`` keeps
 state for the host step taken during backward; ``traffic.py`` counts the host memory each
-phase moves; ``trace.py`` writes the step's per-record timeline. ``transfers.py`` issues every host/device copy
+phase moves; ``trace.py`` writes the step's per-record timeline; ``states.py`` moves
+the states ``engine.offload_states`` names to the host and back. ``transfers.py`` issues every host/device copy
 on side streams and counts it in the copy ledger; ``gradients.py`` holds the arithmetic that
 finishes a gradient (the same on either side) and the pinned host copies streamed during
 backward; ``threads.py`` sizes the host step's threads and steps one record alone. Stages

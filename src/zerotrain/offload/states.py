@@ -39,9 +39,9 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import StateError
-from ..offload_names import OffloadStateTypeEnum
 
-KINDS = tuple(kind.value for kind in OffloadStateTypeEnum)
+# DeepSpeed's OffloadStateTypeEnum values (``offload_names``, a module of the same row)
+KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 HOST = torch.device("cpu")
 
 
@@ -90,7 +90,7 @@ def parse_include(include) -> list[str]:
     """``include`` as kind names (None: every kind); unknown names are refused by name."""
     if include is None:
         return list(KINDS)
-    if isinstance(include, (str, OffloadStateTypeEnum)):
+    if isinstance(include, str):   # one name, or one member of the (str) enum
         include = [include]
     names = []
     for item in include:

@@ -7,7 +7,6 @@ many bytes; every tensor of a moved kind is on a new storage and every other one
 was; training after a reload, also in the middle of an accumulation window, is bit for bit
 the training without the round trip. tests/gpu/test_offload_states_gpu.py checks the memory
 on a real device."""
-import pytest
 import torch
 
 import reference as R
@@ -103,7 +102,6 @@ def _grid(rank, world):
             for name, case in cases.items()}
 
 
-@pytest.mark.slow
 def test_offload_states_moves_the_named_states_and_training_resumes_bit_for_bit(worlds):
     for rank, results in enumerate(worlds.run(2, _grid)):
         for name, (moved, plain) in results.items():

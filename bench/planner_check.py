@@ -30,12 +30,13 @@ DTYPE = os.environ.get("PLANNER_DTYPE", "fp32")
 def _spec(family, stage, ac):
     from zerotrain.planner import StepSpec
     return StepSpec(os.path.join(HERE, f"{family}.json"), micro_batch=2, seq_len=32,
-                    gpus=WORLD, stage=stage, dtype=DTYPE, activation_checkpointing=ac)
+                    gpus=WORLD, stage=stage, dtype=DTYPE, activation_checkpointing=ac,
+                    backend="gloo")
 
 
 def _rank(rank, store, cases, out):
     from zerotrain.estimate.peak import PeakTracker
-    from zerotrain.planner import build_model, run_step
+    from zerotrain.planner import build_model, counting_gloo_copies, run_step
 
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
                             world_size=WORLD)
@@ -44,7 +45,8 @@ def _rank(rank, store, cases, out):
         spec = _spec(*case)
         torch.manual_seed(0)
         tracker = PeakTracker()
-        engine, _ = run_step(spec, build_model(spec), tracker)
+        with counting_gloo_copies(tracker):
+            engine, _ = run_step(spec, build_model(spec), tracker)
         results.append((tracker.peak, tracker.where))
         engine.destroy()
     if rank == 0:

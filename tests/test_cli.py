@@ -106,11 +106,13 @@ def test_estimate_traces_one_step_and_prints_the_peak_as_json(capsys):
     from zerotrain.planner import StepSpec, plan_peak
 
     assert main(["estimate", "--model", _TINY, "--micro-batch", "2", "--seq-len", "32",
-                 "--gpus", "2", "--stage", "1", "--dtype", "fp32", "--json"]) == 0
+                 "--gpus", "2", "--stage", "1", "--dtype", "fp32", "--backend", "gloo",
+                 "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     expected = plan_peak(StepSpec(_TINY, micro_batch=2, seq_len=32, gpus=2, stage=1,
-                                  dtype="fp32"))
+                                  dtype="fp32", backend="gloo"))
     assert got["peak_bytes_per_rank"] == expected.peak_bytes > 0
+    assert got["backend"] == "gloo"
     assert got["peak_host_bytes_per_node"] == 0
     assert got["peak_at"] in ("forward", "backward", "step")
     # the breakdown is what was alive at the peak: it adds up to it

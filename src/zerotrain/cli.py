@@ -86,6 +86,9 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
                        help="where the optimizer state lives (default none)")
     trace.add_argument("--activation-checkpointing", action="store_true",
                        help="recompute activations in backward (transformers models)")
+    trace.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                       help="the collectives' backend: nccl (GPUs, default) or gloo (a CPU "
+                       "run: its reduce-scatters hold a copy of their input)")
     trace.add_argument("--json", action="store_true",
                        help="print one JSON object (peak_bytes_per_rank, "
                        "peak_host_bytes_per_node, breakdown)")
@@ -159,7 +162,8 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     spec = StepSpec(args.model, micro_batch=args.micro_batch, seq_len=args.seq_len,
                     gpus=args.gpus, nodes=args.nodes, stage=3 if args.stage is None else
                     args.stage, offload=args.offload or "none", dtype=args.dtype,
-                    activation_checkpointing=args.activation_checkpointing)
+                    activation_checkpointing=args.activation_checkpointing,
+                    backend=args.backend)
     try:
         if not args.fit:
             result = plan_peak(spec)

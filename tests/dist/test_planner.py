@@ -21,21 +21,23 @@ CASES = [(family, stage, False) for family in ("gpt2-tiny", "llama-tiny") for st
 
 def _spec(family, stage, ac):
     return StepSpec(os.path.join(CONFIGS, f"{family}.json"), micro_batch=2, seq_len=32,
-                    gpus=2, stage=stage, dtype="fp32", activation_checkpointing=ac)
+                    gpus=2, stage=stage, dtype="fp32", activation_checkpointing=ac,
+                    backend="gloo")
 
 
 def _measure(rank, world, specs):
     import torch
 
     from zerotrain.estimate.peak import PeakTracker
-    from zerotrain.planner import build_model, run_step
+    from zerotrain.planner import build_model, counting_gloo_copies, run_step
 
     out = []
     for spec in specs:
         torch.manual_seed(0)
         model = build_model(spec)
         tracker = PeakTracker()
-        engine, _ = run_step(spec, model, tracker)
+        with counting_gloo_copies(tracker):
+            engine, _ = run_step(spec, model, tracker)
         out.append((tracker.peak, tracker.where))
         engine.destroy()
         del engine, model

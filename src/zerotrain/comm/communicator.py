@@ -38,9 +38,19 @@ Note: coalesced gathers
     gather is launched on its own too; the results are the same, only the launch count
     differs. The backend is the same on every rank, so every rank takes the same path and
     the collectives pair up.
+
+Note: a traced world
+    The memory planner (``planner.py``) runs one rank of a world over torch's fake process
+    group (backend ``fake``), on fake tensors: its collectives return at once and carry no
+    data. :attr:`Communicator.carries_data` is False there, and what reads a collective's
+    values to check the ranks against each other (the step fingerprint, the stage-3 gather
+    headers) skips the check: one rank is traced, so there is nobody to disagree with;
+    :meth:`Communicator.all_gather_object` answers this rank's object for every rank, as the
+    ranks of a symmetric run would.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
@@ -81,6 +91,8 @@ class Communicator:
         self.ledger = CommLedger() if ledger is None else ledger
         self.debug = debug
         self.backends = group_backends(group)
+        # False over torch's fake process group (Note: a traced world)
+        self.carries_data = "fake" not in self.backends.values()
         self.ranks: tuple[int, ...] = (tuple(dist.get_process_group_ranks(group))
                                        if group is not None else tuple(range(self.world_size)))
         self.topology = topology or Topology.single_node(dist.get_rank(),
@@ -262,6 +274,8 @@ class Communicator:
     def all_gather_object(self, obj: Any, *, label: str = "") -> list:
         """Every rank's picklable ``obj``, in rank order (small metadata only); named (with
         ``label``) in any error, and with ``debug`` logged."""
+        if not self.carries_data:   # Note: a traced world
+            return [copy.deepcopy(obj) for _ in range(self.world_size)]
         out: list = [None] * self.world_size
         self.ledger.calls["all_gather_object"] += 1
         self._call("all_gather_object", None, label, False,

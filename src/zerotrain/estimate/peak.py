@@ -32,7 +32,7 @@ class PeakTracker(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.phase = "before"
-        self.live: dict[int, tuple[int, str]] = {}   # id(storage) -> (bytes, phase made)
+        self.live: dict[Any, tuple[int, str]] = {}   # id(storage) -> (bytes, phase made)
         self._refs: dict[int, Any] = {}
         self.current = 0
         self.peak = 0
@@ -76,6 +76,19 @@ class PeakTracker(TorchDispatchMode):
         for t in tensors:
             self._add(t)
         self._record()
+
+    def hold(self, key: Any, nbytes: int) -> None:
+        """Count ``nbytes`` that no operation returns (a backend's own buffer, made in C++
+        below the dispatcher) as live until :meth:`release` of ``key``."""
+        if key not in self.live:
+            self.live[key] = (nbytes, self.phase)
+            self.current += nbytes
+            self._record()
+
+    def release(self, key: Any) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
 
     def category_of(self, tensors_by_category: dict[str, list]) -> dict[int, str]:
         """id(storage) -> category, for the storages of the given tensors alive now."""

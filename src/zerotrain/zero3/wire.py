@@ -151,7 +151,7 @@ class UnitWire:
     def __init__(self, comm: Communicator, *, quantized: bool = False) -> None:
         self.comm = comm
         self._quantized = QuantizedAllGather(comm) if quantized else None
-        self.check = GatherCheck()   # Note "gather check" in gather_check.py
+        self.check = GatherCheck(enabled=comm.carries_data)   # Note "gather check" there
 
     def padded_numel(self, numel: int) -> int:
         """Elements of a parameter's segment of ``full``: room for every gather this wire

@@ -118,3 +118,35 @@ def test_load_state_dict_from_zero_checkpoint_loads_the_full_weights(monkeypatch
 def test_zero_runtime_exception_catches_zerotrains_errors(deepspeed):
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     assert issubclass(ConfigError, ZeRORuntimeException)
+
+
+def test_leaf_module_defaults_and_offload_models_where_deepspeed_has_them(deepspeed):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.leaf_module_config import (DEFAULT_LEAF_MODULE_CLASSES,
+                                                           DEFAULT_LEAF_MODULE_NAMES,
+                                                           DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+    leaf = DeepSpeedZeroConfig(stage=3).leaf_module
+    assert leaf.classes == DEFAULT_LEAF_MODULE_CLASSES and DEFAULT_LEAF_MODULE_CLASSES
+    assert (leaf.names, leaf.name_suffixes) == (DEFAULT_LEAF_MODULE_NAMES,
+                                                DEFAULT_LEAF_MODULE_NAME_SUFFIXES) == ([], [])
+    assert DeepSpeedZeroConfig(leaf_module={"names": "block"}).leaf_module.names == ["block"]
+    assert load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}},
+                       world_size=1).zero_optimization.leaf_module.classes == leaf.classes
+    assert DeepSpeedZeroOffloadOptimizerConfig(device="cpu").device == "cpu"
+
+
+def test_stage3_local_and_setter_names_are_deepspeeds(deepspeed):
+    import deepspeed.utils as ds_utils
+
+    for name in ("safe_get_local_fp32_param", "safe_get_local_grad",
+                 "safe_get_local_optimizer_state", "safe_set_local_fp32_param",
+                 "safe_set_local_grad", "safe_set_local_optimizer_state", "safe_set_full_grad",
+                 "safe_set_full_optimizer_state", "safe_update_full_grad_vectorized"):
+        assert callable(getattr(ds_utils, name)), name
+    ds_utils.set_log_level_from_string("error")
+    assert ds_utils.logger.level == 40
+    ds_utils.set_log_level_from_string("info")
+    with pytest.raises(ValueError, match="'loud'"):
+        ds_utils.set_log_level_from_string("loud")

@@ -150,3 +150,23 @@ def test_stage3_local_and_setter_names_are_deepspeeds(deepspeed):
     ds_utils.set_log_level_from_string("info")
     with pytest.raises(ValueError, match="'loud'"):
         ds_utils.set_log_level_from_string("loud")
+
+
+def test_engine_attributes_deepspeeds_checkpoint_tests_read(tmp_path):
+    """DeepSpeed's checkpoint tests compare ``sparse_tensor_module_names`` across a load and
+    wrap ``_get_optimizer_ckpt_name``; the name is the rank's file a save writes."""
+    import os
+
+    import zerotrain
+
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = zerotrain.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        assert engine.sparse_tensor_module_names == set()
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        engine.save_checkpoint(str(tmp_path), tag="t")
+        assert os.path.isfile(engine._get_optimizer_ckpt_name(str(tmp_path), "t", 0))
+    finally:
+        engine.close()

@@ -170,3 +170,32 @@ def test_engine_attributes_deepspeeds_checkpoint_tests_read(tmp_path):
         assert os.path.isfile(engine._get_optimizer_ckpt_name(str(tmp_path), "t", 0))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("ga", [1, 4])
+def test_torch_func_transforms_through_the_engine_are_the_modules(ga):
+    """``torch.func.grad``/``jacrev``/``vmap`` on the engine give the module's own results:
+    the transform's backward is not a training backward (no accumulation scaling)."""
+    import copy
+
+    import zerotrain
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    baseline = copy.deepcopy(model)
+    engine, *_ = zerotrain.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": ga,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    try:
+        x = torch.randn(8)
+        for transform in (torch.func.grad, torch.func.jacrev):
+            got = transform(lambda xi: engine(xi).sum())(x)
+            assert torch.allclose(got, transform(lambda xi: baseline(xi).sum())(x), atol=1e-6)
+        batch = torch.stack([x, x + 0.1])
+        got = torch.func.vmap(torch.func.grad(lambda xi: engine(xi).sum()))(batch)
+        want = torch.func.vmap(torch.func.grad(lambda xi: baseline(xi).sum()))(batch)
+        assert torch.allclose(got, want, atol=1e-6)
+        engine.backward(engine(x.unsqueeze(0)).sum())   # training backwards still work
+        assert engine.micro_steps == 0
+    finally:
+        engine.close()

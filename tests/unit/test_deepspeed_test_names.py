@@ -152,30 +152,29 @@ def test_stage3_local_and_setter_names_are_deepspeeds(deepspeed):
         ds_utils.set_log_level_from_string("loud")
 
 
-def test_engine_attributes_deepspeeds_checkpoint_tests_read(tmp_path):
-    """DeepSpeed's checkpoint tests compare ``sparse_tensor_module_names`` across a load and
-    wrap ``_get_optimizer_ckpt_name``; the name is the rank's file a save writes."""
+def _checkpoint_names_job(rank: int, world: int, root: str) -> bool:
     import os
 
     import zerotrain
 
-    model = torch.nn.Linear(4, 4)
-    engine, *_ = zerotrain.initialize(model=model, config={
+    engine, *_ = zerotrain.initialize(model=torch.nn.Linear(4, 4), config={
         "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    try:
-        assert engine.sparse_tensor_module_names == set()
-        engine.backward(engine(torch.ones(2, 4)).sum())
-        engine.step()
-        engine.save_checkpoint(str(tmp_path), tag="t")
-        assert os.path.isfile(engine._get_optimizer_ckpt_name(str(tmp_path), "t", 0))
-    finally:
-        engine.close()
+    assert engine.sparse_tensor_module_names == set()
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(root, tag="t")
+    assert os.path.isfile(engine._get_optimizer_ckpt_name(root, "t", 0))
+    engine.close()
+    return True
 
 
-@pytest.mark.parametrize("ga", [1, 4])
-def test_torch_func_transforms_through_the_engine_are_the_modules(ga):
-    """``torch.func.grad``/``jacrev``/``vmap`` on the engine give the module's own results:
-    the transform's backward is not a training backward (no accumulation scaling)."""
+def test_engine_attributes_deepspeeds_checkpoint_tests_read(worlds, tmp_path):
+    """DeepSpeed's checkpoint tests compare ``sparse_tensor_module_names`` across a load and
+    wrap ``_get_optimizer_ckpt_name``; the name is the rank's file a save writes."""
+    assert worlds.run(1, _checkpoint_names_job, str(tmp_path)) == [True]
+
+
+def _torch_func_job(rank: int, world: int, ga: int) -> bool:
     import copy
 
     import zerotrain
@@ -186,16 +185,21 @@ def test_torch_func_transforms_through_the_engine_are_the_modules(ga):
     engine, *_ = zerotrain.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": ga,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
-    try:
-        x = torch.randn(8)
-        for transform in (torch.func.grad, torch.func.jacrev):
-            got = transform(lambda xi: engine(xi).sum())(x)
-            assert torch.allclose(got, transform(lambda xi: baseline(xi).sum())(x), atol=1e-6)
-        batch = torch.stack([x, x + 0.1])
-        got = torch.func.vmap(torch.func.grad(lambda xi: engine(xi).sum()))(batch)
-        want = torch.func.vmap(torch.func.grad(lambda xi: baseline(xi).sum()))(batch)
-        assert torch.allclose(got, want, atol=1e-6)
-        engine.backward(engine(x.unsqueeze(0)).sum())   # training backwards still work
-        assert engine.micro_steps == 0
-    finally:
-        engine.close()
+    x = torch.randn(8)
+    for transform in (torch.func.grad, torch.func.jacrev):
+        got = transform(lambda xi: engine(xi).sum())(x)
+        assert torch.allclose(got, transform(lambda xi: baseline(xi).sum())(x), atol=1e-6)
+    batch = torch.stack([x, x + 0.1])
+    got = torch.func.vmap(torch.func.grad(lambda xi: engine(xi).sum()))(batch)
+    want = torch.func.vmap(torch.func.grad(lambda xi: baseline(xi).sum()))(batch)
+    assert torch.allclose(got, want, atol=1e-6)
+    engine.backward(engine(x.unsqueeze(0)).sum())   # training backwards still work
+    engine.close()
+    return True
+
+
+@pytest.mark.parametrize("ga", [1, 4])
+def test_torch_func_transforms_through_the_engine_are_the_modules(worlds, ga):
+    """``torch.func.grad``/``jacrev``/``vmap`` on the engine give the module's own results:
+    the transform's backward is not a training backward (no accumulation scaling)."""
+    assert worlds.run(1, _torch_func_job, ga) == [True]

@@ -55,6 +55,7 @@ from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
 from .timers import StepTimers
+from .utils import gradient_norms_by_group
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.comm = comm
         self.stage = stage
         self.policy = policy
-        self.optimizer = ZeroOptimizer(stage.optimizer, deepspeed_kinds(config))
+        self.optimizer = ZeroOptimizer(stage.optimizer, deepspeed_kinds(config),
+                                       lambda: gradient_norms_by_group(self))
         self.lr_scheduler = lr_scheduler
         self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
         self._checkpoint_writer: Optional[checkpoint.BackgroundWriter] = None  # async saves

@@ -254,6 +254,27 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _write_grad_chunk(engine, record, slot, value.detach().reshape(-1), "safe_set_local_grad")
 
 
+def gradient_norms_by_group(engine: Any) -> list[torch.Tensor]:
+    """The L2 norm of each optimizer group's gradient for this update (averaged over ranks,
+    unscaled, before clipping), as DeepSpeed's ``optimizer._get_norm_groups()``: zeros when
+    no backward ran since the last step. Collective at stages 1-3."""
+    engine.settle()
+    records = engine.stage.shard_records()
+    groups = len(engine.optimizer.param_groups)
+    squares = torch.zeros(groups, dtype=torch.float32)
+    for record in records:
+        summed = _reduced_gradient(engine, record, "_get_norm_groups")
+        if summed is None:
+            break
+        squares[record.group_index] += torch.linalg.vector_norm(
+            summed.float(), dtype=torch.float32).cpu().square()
+    if engine.stage.sharded:
+        squares = squares.to(engine.stage.comm.device)
+        engine.stage.comm.all_reduce(squares, label="_get_norm_groups")
+    scale = engine.comm.world_size * engine.loss_scale
+    return list(squares.cpu().sqrt().div_(scale).unbind())
+
+
 def set_log_level_from_string(log_level_str: str, custom_logger: Any = None) -> None:
     """Set the level of ``custom_logger`` (zerotrain's logger by default) from a name such
     as ``"info"``, as DeepSpeed's ``set_log_level_from_string``."""

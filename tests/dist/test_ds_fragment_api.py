@@ -31,6 +31,8 @@ def _job(rank: int, world: int, stage: int) -> dict:
     for step in range(2):
         engine.backward(engine(*R.micro_batch(step, rank, 0)))
         params = list(model.parameters())
+        if step == 0:
+            out["norms"] = engine.optimizer._get_norm_groups()
         if stage == 3:   # halve the first parameter through its local chunk
             first = params[0]
             chunk = safe_get_local_grad(first)
@@ -44,6 +46,8 @@ def _job(rank: int, world: int, stage: int) -> dict:
             safe_set_full_grad(params[0], safe_get_full_grad(params[0]) * FACTORS[step][0])
             params = params[1:]
         safe_update_full_grad_vectorized(params, lambda g, p: g * FACTORS[step][1])
+        if step == 0:
+            out["norms"] += engine.optimizer._get_norm_groups()
         engine.step()
     if stage == 3:
         p = next(model.parameters())
@@ -62,8 +66,9 @@ def _job(rank: int, world: int, stage: int) -> dict:
     return out
 
 
-def _reference(world: int) -> dict:
-    """Two clipped steps of AdamW on the averaged gradients, scaled by FACTORS."""
+def _reference(world: int) -> tuple[dict, list]:
+    """Two clipped steps of AdamW on the averaged gradients, scaled by FACTORS; and the
+    first step's gradient norm before and after the scaling."""
     model = R.make_model()
     opt = R.adamw(model.parameters())
     for step in range(2):
@@ -73,18 +78,24 @@ def _reference(world: int) -> dict:
             model(*R.micro_batch(step, rank, 0)).backward()
             for g, p in zip(grads, model.parameters()):
                 g.add_(p.grad)
+        if step == 0:
+            norms = [torch.linalg.vector_norm(torch.cat([g.reshape(-1) / world for g in grads]))]
         for i, (p, g) in enumerate(zip(model.parameters(), grads)):
             p.grad = g / world * FACTORS[step][0 if i == 0 else 1]
+        if step == 0:
+            norms.append(torch.linalg.vector_norm(
+                torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_replaced_gradients_are_the_ones_stepped_and_local_chunks_are_the_ranks(worlds,
                                                                                 stage):
-    expected = _reference(2)
+    expected, norms = _reference(2)
     for rank, res in enumerate(worlds.run(2, _job, stage)):
         where = f"stage {stage} rank {rank}"
+        assert torch.allclose(torch.stack(res["norms"]), torch.stack(norms), rtol=1e-5), where
         assert R.max_diff(res["params"], expected) < 1e-6, where
         assert all(res["local"].values()), (where, res["local"])

@@ -74,7 +74,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.stage = stage
         self.policy = policy
         self.optimizer = ZeroOptimizer(stage.optimizer, deepspeed_kinds(config),
-                                       lambda: gradient_norms_by_group(self))
+                                       lambda: gradient_norms_by_group(self),
+                                       lambda: self.get_global_grad_norm())
         self.lr_scheduler = lr_scheduler
         self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
         self._checkpoint_writer: Optional[checkpoint.BackgroundWriter] = None  # async saves

@@ -49,6 +49,7 @@ def _job(rank: int, world: int, stage: int) -> dict:
         if step == 0:
             out["norms"] += engine.optimizer._get_norm_groups()
         engine.step()
+        assert engine.optimizer._global_grad_norm == engine.get_global_grad_norm() > 0
     if stage == 3:
         p = next(model.parameters())
         full = safe_get_full_fp32_param(p).reshape(-1)

@@ -25,7 +25,8 @@ case $which in
 esac
 # The subset, by SUBSET: quick (the default; 25 tests, about half an hour on 2 busy cores),
 # core (181: v1/zero/test_zero.py, checkpoint/test_zero_optimizer.py, test_zero_context.py too) or full
-# (927: every ZeRO runtime, v1 ZeRO and ZeRO checkpoint test; many hours on 2 cores).
+# (every ZeRO runtime, v1 ZeRO and ZeRO checkpoint test; many hours on 2 cores) or args (only
+# what the pytest args name, to run full in chunks).
 quick=(unit/runtime/zero/test_zero_config.py unit/runtime/zero/test_ignore_unused_parameters.py
        unit/runtime/zero/test_zero_dynamic_class.py unit/runtime/zero/test_zero_context_return.py
        unit/runtime/zero/test_zero_grad_clip.py unit/runtime/zero/test_unwrap_model.py
@@ -35,7 +36,8 @@ case ${SUBSET:-quick} in
   core)  subset=("${quick[@]}" unit/v1/zero/test_zero.py unit/checkpoint/test_zero_optimizer.py
                  unit/runtime/zero/test_zero_context.py) ;;
   full)  subset=(unit/runtime/zero unit/v1/zero unit/checkpoint/test_zero_optimizer.py) ;;
-  *) echo "SUBSET must be quick, core or full" >&2; exit 2 ;;
+  args)  subset=() ;;  # only the files or test ids given as pytest args (one chunk of full)
+  *) echo "SUBSET must be quick, core, full or args" >&2; exit 2 ;;
 esac
 cd "$tests"
 exec "$python" -m pytest -p no:cacheprovider -o addopts="" --continue-on-collection-errors \

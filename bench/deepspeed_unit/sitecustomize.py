@@ -36,3 +36,20 @@ if os.environ.get("ZEROTRAIN_AS_DEEPSPEED") == "1":
     import zerotrain.as_deepspeed
 
     zerotrain.as_deepspeed.install()
+
+# The real DeepSpeed run (baseline) only: ``DS_NO_JIT=op1,op2`` makes those ops' JIT build
+# fail at once with a RuntimeError naming the op, instead of compiling it (10-15 minutes an
+# op on 2 busy cores). A test that needs one fails, and the log says why.
+_no_jit = {name for name in os.environ.get("DS_NO_JIT", "").split(",") if name}
+if _no_jit and os.environ.get("ZEROTRAIN_AS_DEEPSPEED") != "1":
+    from deepspeed.ops.op_builder import builder as _builder
+
+    _jit_load = _builder.OpBuilder.jit_load
+
+    def _refuse_listed_builds(self, verbose=True):
+        if self.name in _no_jit:
+            raise RuntimeError(f"op {self.name} is not built and DS_NO_JIT forbids "
+                               "compiling it in this run")
+        return _jit_load(self, verbose)
+
+    _builder.OpBuilder.jit_load = _refuse_listed_builds

@@ -124,6 +124,10 @@ ALIASES.update({
     "deepspeed.runtime.fp16.fused_optimizer": "zerotrain.optim_kinds",
     "deepspeed.runtime.fp16.unfused_optimizer": "zerotrain.optim_kinds",
 })
+# More of DeepSpeed's own ZeRO unit tests: the leaf-module defaults.
+ALIASES.update({
+    "deepspeed.runtime.zero.leaf_module_config": "zerotrain.config.zero",
+})
 _FORWARDED_DUNDERS = frozenset({"__all__", "__compatible_ops__"})  # others: the alias's
 _GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
 

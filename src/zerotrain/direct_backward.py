@@ -59,7 +59,12 @@ class DirectBackward:
             self._managed -= 1
 
     def gate(self, outputs: Any) -> Any:
-        """``outputs`` with every floating tensor that needs a gradient behind a gate."""
+        """``outputs`` with every floating tensor that needs a gradient behind a gate;
+        unchanged under a ``torch.func`` transform (``grad``, ``jacrev``, ``vmap``...),
+        whose backward is the transform's own, not a training backward (DeepSpeed's
+        engine skips its hooks there too)."""
+        if _functorch_transforming():
+            return outputs
         return _rebuild(outputs, lambda tensor: _Gate.apply(self, tensor))
 
     def on_gradient(self, grad: torch.Tensor) -> torch.Tensor:
@@ -74,6 +79,13 @@ class DirectBackward:
     def _finish(self) -> None:
         self._running = False
         self._epilogue()
+
+
+def _functorch_transforming() -> bool:
+    """Whether a ``torch.func`` transform is running (torch's interpreter stack is not
+    empty; private, so looked up with a fallback)."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _wanted(value: Any) -> bool:

@@ -56,6 +56,7 @@ from .precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
 from .timers import StepTimers
+from .utils import gradient_norms_by_group
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.comm = comm
         self.stage = stage
         self.policy = policy
-        self.optimizer = ZeroOptimizer(stage.optimizer, deepspeed_kinds(config))
+        self.optimizer = ZeroOptimizer(stage.optimizer, deepspeed_kinds(config),
+                                       lambda: gradient_norms_by_group(self),
+                                       lambda: self.get_global_grad_norm())
         self.lr_scheduler = lr_scheduler
         self._lr_watch = SchedulerWatch()   # warns if the user's loop steps it too
         self._checkpoint_writer: Optional[checkpoint.BackgroundWriter] = None  # async saves
@@ -94,6 +97,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._local_backwards = 0          # no_sync backwards no reduction has taken yet
         self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue)
         self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
+        self._coalescing = False   # inside coalesce_grad_reduction()
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, reach_totals(comm.ledger))
@@ -188,10 +192,40 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         finally:
             self.inside_no_sync_ctxt = outer
 
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed 0.19's one reduction per step: the backwards inside keep their
+        gradients on this rank and leaving the block reduces them once; ``step()`` comes
+        after it. Stage 1 accumulates locally as under ``no_sync``; stages 2 and 3
+        reduce-scatter each backward into the rank's shard sum, so there the block changes
+        how many reductions run, not the mean the step applies (as DeepSpeed's flush)."""
+        if self.zero_optimization_stage() == 0:
+            raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
+                                      "got stage 0")
+        if self.inside_no_sync_ctxt or self._coalescing:
+            raise StateError("coalesce_grad_reduction cannot be nested inside another no_sync "
+                             "or coalesce_grad_reduction block")
+        local = not self.stage.reduces_every_micro_step
+        self._coalescing = True
+        self.inside_no_sync_ctxt = local
+        try:
+            yield
+        finally:
+            self._coalescing = False
+            self.inside_no_sync_ctxt = False
+            if local and self._local_backwards:   # the flush: one reducing empty backward
+                self.stage.begin_backward(True)
+                self.stage.buckets.begin(True)
+                self.stage.finish_backward()
+                self._local_backwards = 0
+
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
         self._refuse_without_optimizer("step()")
         moved_states.refuse_while_away(self._moved, "step()")
+        if self._coalescing:
+            raise StateError("engine.step() inside coalesce_grad_reduction() (a no_sync "
+                             "block): leave the block first, its exit reduces the gradients")
         with self._timers.time("step"):
             try:
                 if self.is_gradient_accumulation_boundary():

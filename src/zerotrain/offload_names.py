@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum"]
+from .config.deepspeed_zero import (DeepSpeedZeroOffloadOptimizerConfig,
+                                    DeepSpeedZeroOffloadParamConfig)
+
+__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig",
+           "OffloadDeviceEnum", "OffloadStateTypeEnum"]
 
 
 class OffloadDeviceEnum(str, enum.Enum):

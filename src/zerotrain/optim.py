@@ -13,7 +13,7 @@ Note: client optimizers
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -131,9 +131,25 @@ class ZeroOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
-                 deepspeed_kinds: frozenset[str] = frozenset()) -> None:
+                 deepspeed_kinds: frozenset[str] = frozenset(),
+                 norm_groups: Optional[Callable[[], list]] = None,
+                 last_norm: Optional[Callable[[], Optional[float]]] = None) -> None:
         self.optimizer = optimizer
         self.deepspeed_kinds = deepspeed_kinds   # optim_kinds: DeepSpeed's classes, isinstance
+        self._norm_groups, self._last_norm = norm_groups, last_norm
+
+    @property
+    def _global_grad_norm(self) -> Optional[float]:
+        """The last step's gradient norm (``engine.get_global_grad_norm()``), by DeepSpeed's
+        private name, which its tests read."""
+        return self._last_norm() if self._last_norm is not None else None
+
+    def _get_norm_groups(self) -> list:
+        """Each parameter group's gradient norm for this update (``utils``), by DeepSpeed's
+        private name, which its gradient-clipping test reads. Collective at stages 1-3."""
+        if self._norm_groups is None:
+            raise StateError("_get_norm_groups: this optimizer is not an engine's")
+        return self._norm_groups()
 
     @property
     def param_groups(self) -> list[dict]:

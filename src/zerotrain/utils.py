@@ -30,6 +30,12 @@ __all__ = ["RepeatingLoader", "convert_zero_checkpoint_to_fp32_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "log_dist", "logger",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "register_engine",
+           # DeepSpeed's setters, stage 3's local (this rank's chunk) accessors, log level
+           "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_update_full_grad_vectorized", "safe_get_local_fp32_param",
+           "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad",
+           "safe_set_local_optimizer_state", "set_log_level_from_string",
            # stage 3's leaf modules (zero3/leaf.py), DeepSpeed 0.19's names
            "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules",
            "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
@@ -118,19 +124,233 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     if found is None:
         return None
     engine, record, slot, shape = found
+    summed = _reduced_gradient(engine, record, "safe_get_full_grad")
+    if summed is None:
+        return None
+    grad = _gather_full(engine, summed, record, slot, shape).float()
+    return grad.div_(engine.comm.world_size * engine.loss_scale)
+
+
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace the gradient of ``param`` that the next ``engine.step()`` applies with
+    ``value`` (its full shape, in :func:`safe_get_full_grad`'s terms: averaged over ranks,
+    unscaled); every rank passes the same value. Same window rule as the getter.
+    A frozen parameter is left alone (DeepSpeed's rule). Collective at stages 1-3."""
+    found = _locate(param, "safe_set_full_grad")
+    if found is None:
+        return
+    engine, record, slot, shape = found
+    _check_shape("safe_set_full_grad", value, shape)
+    chunk = record.layout.shard_of_full(value.detach().reshape(-1), slot,
+                                        _shard_rank(engine, record))
+    _write_grad_chunk(engine, record, slot, chunk, "safe_set_full_grad")
+
+
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor,
+                                  optim_state_key: str) -> None:
+    """Overwrite optimizer state ``optim_state_key`` of ``param`` with ``value`` (its full
+    shape; each rank keeps its own chunk). Collective at stages 1-3."""
+    found = _locate(param, "safe_set_full_optimizer_state")
+    if found is None:
+        return
+    engine, record, slot, shape = found
+    _check_shape("safe_set_full_optimizer_state", value, shape)
+    state = _state_tensor(record, optim_state_key, "safe_set_full_optimizer_state")
+    chunk = record.layout.shard_of_full(value.detach().reshape(-1), slot,
+                                        _shard_rank(engine, record))
+    with torch.no_grad():
+        state[record.layout.shard_slice(slot)].copy_(chunk)
+
+
+def safe_update_full_grad_vectorized(param_list: Iterable[torch.nn.Parameter],
+                                     update_func: Any) -> None:
+    """``safe_set_full_grad(p, update_func(safe_get_full_grad(p), p))`` for every
+    parameter of ``param_list`` that requires a gradient, in order (every rank passes the
+    same list). Collective at stages 1-3."""
+    for p in param_list:
+        if p.requires_grad:
+            grad = safe_get_full_grad(p)
+            if grad is not None:
+                safe_set_full_grad(p, update_func(grad, p))
+
+
+# ------------------------------------------------------------------ stage 3: this rank's chunk
+# DeepSpeed defines these for ZeRO-3 partitioned parameters only: the rank's own chunk of
+# the parameter (``ceil(numel / world)`` elements, the last rank's zero-padded), flat.
+# They are local: no collective, so ranks may call them for different parameters.
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """This rank's chunk of the fp32 master of ``param`` (a view: writing it changes the
+    master, as in DeepSpeed); None for a frozen parameter."""
+    found = _locate_local(param, "safe_get_local_fp32_param")
+    if found is None:
+        return None
+    _, record, slot = found
+    return record.master[record.layout.shard_slice(slot)]
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Overwrite this rank's chunk of the fp32 master of ``param`` and publish it to the
+    module's parameter. Frozen parameters are left alone."""
+    found = _locate_local(param, "safe_set_local_fp32_param")
+    if found is None:
+        return
+    engine, record, slot = found
+    _check_chunk("safe_set_local_fp32_param", value, slot)
+    with torch.no_grad():
+        record.master[record.layout.shard_slice(slot)].copy_(value.detach().reshape(-1))
+    engine.stage.publish_parameters()
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter,
+                                   optim_state_key: str) -> Optional[torch.Tensor]:
+    """This rank's chunk of optimizer state ``optim_state_key`` of ``param`` (a view);
+    None for a frozen parameter or before the first step."""
+    found = _locate_local(param, "safe_get_local_optimizer_state")
+    if found is None:
+        return None
+    _, record, slot = found
+    if record.optimizer_state.get(optim_state_key) is None:
+        return None
+    state = _state_tensor(record, optim_state_key, "safe_get_local_optimizer_state")
+    return state[record.layout.shard_slice(slot)]
+
+
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor,
+                                   optim_state_key: str) -> None:
+    """Overwrite this rank's chunk of optimizer state ``optim_state_key`` of ``param``."""
+    found = _locate_local(param, "safe_set_local_optimizer_state")
+    if found is None:
+        return
+    _, record, slot = found
+    _check_chunk("safe_set_local_optimizer_state", value, slot)
+    state = _state_tensor(record, optim_state_key, "safe_set_local_optimizer_state")
+    with torch.no_grad():
+        state[record.layout.shard_slice(slot)].copy_(value.detach().reshape(-1))
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """This rank's chunk of the gradient :func:`safe_get_full_grad` returns (fp32,
+    averaged over ranks, unscaled; a new tensor); same window rule. None for a frozen
+    parameter or when no backward has run since the last step."""
+    found = _locate_local(param, "safe_get_local_grad")
+    if found is None:
+        return None
+    engine, record, slot = found
+    summed = _reduced_gradient(engine, record, "safe_get_local_grad")
+    if summed is None:
+        return None
+    chunk = summed[record.layout.shard_slice(slot)].to(torch.float32, copy=True)
+    return chunk.div_(engine.comm.world_size * engine.loss_scale)
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace this rank's chunk of the gradient the next ``engine.step()`` applies (in
+    :func:`safe_get_local_grad`'s terms). Frozen parameters are left alone."""
+    found = _locate_local(param, "safe_set_local_grad")
+    if found is None:
+        return
+    engine, record, slot = found
+    _check_chunk("safe_set_local_grad", value, slot)
+    _write_grad_chunk(engine, record, slot, value.detach().reshape(-1), "safe_set_local_grad")
+
+
+def gradient_norms_by_group(engine: Any) -> list[torch.Tensor]:
+    """The L2 norm of each optimizer group's gradient for this update (averaged over ranks,
+    unscaled, before clipping), as DeepSpeed's ``optimizer._get_norm_groups()``: zeros when
+    no backward ran since the last step. Collective at stages 1-3."""
+    engine.settle()
+    records = engine.stage.shard_records()
+    groups = len(engine.optimizer.param_groups)
+    squares = torch.zeros(groups, dtype=torch.float32)
+    for record in records:
+        summed = _reduced_gradient(engine, record, "_get_norm_groups")
+        if summed is None:
+            break
+        squares[record.group_index] += torch.linalg.vector_norm(
+            summed.float(), dtype=torch.float32).cpu().square()
+    if engine.stage.sharded:
+        squares = squares.to(engine.stage.comm.device)
+        engine.stage.comm.all_reduce(squares, label="_get_norm_groups")
+    scale = engine.comm.world_size * engine.loss_scale
+    return list(squares.cpu().sqrt().div_(scale).unbind())
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger: Any = None) -> None:
+    """Set the level of ``custom_logger`` (zerotrain's logger by default) from a name such
+    as ``"info"``, as DeepSpeed's ``set_log_level_from_string``."""
+    level = logging.getLevelName(str(log_level_str).upper())
+    if not isinstance(level, int):
+        raise ValueError(f"log level {log_level_str!r} is not one of debug, info, warning, "
+                         "error, critical")
+    (custom_logger or logger).setLevel(level)
+
+
+def _locate_local(param: torch.nn.Parameter, what: str):
+    """(engine, record, slot) of a stage-3 parameter, None if frozen; refuses below 3."""
+    found = _locate(param, what)
+    engine = getattr(param, _ENGINE_ATTR)()
+    if engine.zero_optimization_stage() != 3:
+        raise StateError(f"{what} is defined for ZeRO stage 3's partitioned parameters "
+                         f"only (this engine runs stage {engine.zero_optimization_stage()}); "
+                         f"use the safe_*_full_* functions")
+    if found is None:
+        return None
+    return found[0], found[1], found[2]
+
+
+def _check_shape(what: str, value: torch.Tensor, shape: Any) -> None:
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{what}: value has shape {tuple(value.shape)}, the parameter has "
+                         f"{tuple(shape)}")
+
+
+def _check_chunk(what: str, value: torch.Tensor, slot: Any) -> None:
+    if value.numel() != slot.chunk:
+        raise ValueError(f"{what}: value has {value.numel()} elements, this rank's chunk of "
+                         f"the parameter has {slot.chunk}")
+
+
+def _state_tensor(record: Any, key: str, what: str) -> torch.Tensor:
+    state = record.optimizer_state.get(key)
+    if state is None:
+        raise StateError(f"{what}: the optimizer has no state {key!r} for this parameter "
+                         f"(it has {sorted(record.optimizer_state)}; state is made by the "
+                         "first step)")
+    if not isinstance(state, torch.Tensor) or state.shape != record.master.shape:
+        raise ValueError(f"optimizer state {key!r} is not a per-element tensor (it is "
+                         f"{type(state).__name__}); use engine.optimizer.state")
+    return state
+
+
+def _reduced_gradient(engine: Any, record: Any, what: str) -> Optional[torch.Tensor]:
+    """This rank's reduced (summed, scaled) gradient shard holding ``record``; None when no
+    backward ran in this window. Refused before the window's last backward."""
     if not engine._backward_in_window:
         return None
     if not engine.is_gradient_accumulation_boundary():
-        raise StateError("safe_get_full_grad: gradients are reduced over ranks at the end "
-                         "of the accumulation window; call it after the backward of its last "
+        raise StateError(f"{what}: gradients are reduced over ranks at the end of the "
+                         "accumulation window; call it after the backward of its last "
                          f"micro-step (micro step {engine.micro_steps + 1} of "
                          f"{engine.gradient_accumulation_steps()} now)")
-    buckets = engine.stage.buckets
-    buckets.collect()
-    index = [id(r.master) for r in engine.stage.shard_records()].index(id(record.master))
-    summed = buckets.reduced_shard(index)
-    grad = _gather_full(engine, summed, record, slot, shape).float()
-    return grad.div_(engine.comm.world_size * engine.loss_scale)
+    engine.stage.buckets.collect()
+    return engine.stage.buckets.reduced_shard(_record_index(engine, record))
+
+
+def _record_index(engine: Any, record: Any) -> int:
+    return [id(r.master) for r in engine.stage.shard_records()].index(id(record.master))
+
+
+def _write_grad_chunk(engine: Any, record: Any, slot: Any, chunk: torch.Tensor,
+                      what: str) -> None:
+    """Store ``chunk`` (averaged, unscaled) where the step reads the summed, scaled shard."""
+    summed = _reduced_gradient(engine, record, what)
+    if summed is None:
+        raise StateError(f"{what}: no gradient to replace; call it after engine.backward() "
+                         "and before engine.step()")
+    with torch.no_grad():
+        summed[record.layout.shard_slice(slot)].copy_(
+            chunk.float() * (engine.comm.world_size * engine.loss_scale))
+    engine.stage.gradient_overwritten(_record_index(engine, record))
 
 
 def _locate(param: torch.nn.Parameter, what: str):

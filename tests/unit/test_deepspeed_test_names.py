@@ -118,3 +118,88 @@ def test_load_state_dict_from_zero_checkpoint_loads_the_full_weights(monkeypatch
 def test_zero_runtime_exception_catches_zerotrains_errors(deepspeed):
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     assert issubclass(ConfigError, ZeRORuntimeException)
+
+
+def test_leaf_module_defaults_and_offload_models_where_deepspeed_has_them(deepspeed):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.leaf_module_config import (DEFAULT_LEAF_MODULE_CLASSES,
+                                                           DEFAULT_LEAF_MODULE_NAMES,
+                                                           DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+    leaf = DeepSpeedZeroConfig(stage=3).leaf_module
+    assert leaf.classes == DEFAULT_LEAF_MODULE_CLASSES and DEFAULT_LEAF_MODULE_CLASSES
+    assert (leaf.names, leaf.name_suffixes) == (DEFAULT_LEAF_MODULE_NAMES,
+                                                DEFAULT_LEAF_MODULE_NAME_SUFFIXES) == ([], [])
+    assert DeepSpeedZeroConfig(leaf_module={"names": "block"}).leaf_module.names == ["block"]
+    assert load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}},
+                       world_size=1).zero_optimization.leaf_module.classes == leaf.classes
+    assert DeepSpeedZeroOffloadOptimizerConfig(device="cpu").device == "cpu"
+
+
+def test_stage3_local_and_setter_names_are_deepspeeds(deepspeed):
+    import deepspeed.utils as ds_utils
+
+    for name in ("safe_get_local_fp32_param", "safe_get_local_grad",
+                 "safe_get_local_optimizer_state", "safe_set_local_fp32_param",
+                 "safe_set_local_grad", "safe_set_local_optimizer_state", "safe_set_full_grad",
+                 "safe_set_full_optimizer_state", "safe_update_full_grad_vectorized"):
+        assert callable(getattr(ds_utils, name)), name
+    ds_utils.set_log_level_from_string("error")
+    assert ds_utils.logger.level == 40
+    ds_utils.set_log_level_from_string("info")
+    with pytest.raises(ValueError, match="'loud'"):
+        ds_utils.set_log_level_from_string("loud")
+
+
+def _checkpoint_names_job(rank: int, world: int, root: str) -> bool:
+    import os
+
+    import zerotrain
+
+    engine, *_ = zerotrain.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert engine.sparse_tensor_module_names == set()
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(root, tag="t")
+    assert os.path.isfile(engine._get_optimizer_ckpt_name(root, "t", 0))
+    engine.close()
+    return True
+
+
+def test_engine_attributes_deepspeeds_checkpoint_tests_read(worlds, tmp_path):
+    """DeepSpeed's checkpoint tests compare ``sparse_tensor_module_names`` across a load and
+    wrap ``_get_optimizer_ckpt_name``; the name is the rank's file a save writes."""
+    assert worlds.run(1, _checkpoint_names_job, str(tmp_path)) == [True]
+
+
+def _torch_func_job(rank: int, world: int, ga: int) -> bool:
+    import copy
+
+    import zerotrain
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    baseline = copy.deepcopy(model)
+    engine, *_ = zerotrain.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": ga,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    x = torch.randn(8)
+    for transform in (torch.func.grad, torch.func.jacrev):
+        got = transform(lambda xi: engine(xi).sum())(x)
+        assert torch.allclose(got, transform(lambda xi: baseline(xi).sum())(x), atol=1e-6)
+    batch = torch.stack([x, x + 0.1])
+    got = torch.func.vmap(torch.func.grad(lambda xi: engine(xi).sum()))(batch)
+    want = torch.func.vmap(torch.func.grad(lambda xi: baseline(xi).sum()))(batch)
+    assert torch.allclose(got, want, atol=1e-6)
+    engine.backward(engine(x.unsqueeze(0)).sum())   # training backwards still work
+    engine.close()
+    return True
+
+
+@pytest.mark.parametrize("ga", [1, 4])
+def test_torch_func_transforms_through_the_engine_are_the_modules(worlds, ga):
+    """``torch.func.grad``/``jacrev``/``vmap`` on the engine give the module's own results:
+    the transform's backward is not a training backward (no accumulation scaling)."""
+    assert worlds.run(1, _torch_func_job, ga) == [True]

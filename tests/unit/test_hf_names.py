@@ -84,6 +84,17 @@ def test_keys_that_change_training_are_refused_by_name_when_on(extra, key):
     load_config({"train_batch_size": 2, **off}, world_size=1)   # off: accepted, no effect
 
 
+def test_unmanaged_gradient_accumulation_is_refused_by_name():
+    """``managed_gradient_accumulation: false`` would make every step() an update; ignoring
+    it would update only every gradient_accumulation_steps backwards."""
+    for off in (False, 0):
+        with pytest.raises(ConfigError, match="^managed_gradient_accumulation: .*not implemented"):
+            load_config({"train_batch_size": 2, "managed_gradient_accumulation": off},
+                        world_size=1)
+    for on in (True, 1):
+        load_config({"train_batch_size": 2, "managed_gradient_accumulation": on}, world_size=1)
+
+
 def test_offload_config_enums_and_offload_states_on_a_host_run(switch, worlds):
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 

@@ -91,3 +91,13 @@ def test_deepspeed_utils_under_the_switch_and_accelerates_moe_route(monkeypatch)
         assert U.get_z3_leaf_modules(model) == list(model.layers)
     finally:
         as_deepspeed.uninstall()
+
+
+def test_the_model_itself_as_a_leaf_is_one_unit():
+    """DeepSpeed's tests mark the model's own class a leaf so that ranks may run different
+    submodules of it: nothing under it starts a unit then."""
+    model = Net()
+    U.set_z3_leaf_modules(model, [Net])
+    units = [u for u in build_units(model, unit_numel=1, persistence_threshold=0)
+             if not u.persistent]
+    assert [(u.name, u.leaf, len(u.params)) for u in units] == [("", True, 14)]

@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .zero import LeafModuleConfig
+
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig",
            "DeepSpeedZeroOffloadParamConfig", "ZeroStageEnum"]
 
@@ -108,6 +110,7 @@ class DeepSpeedZeroConfig(_Model):
     pipeline_loading_checkpoint: bool = False
     override_module_apply: bool = True
     log_trace_cache_warnings: bool = False
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -85,8 +85,21 @@ REFUSED_WHEN_ON: Dict[str, str] = {
 }
 
 
+# DeepSpeed keys on by default whose "off" changes what training computes: refused when off.
+REFUSED_WHEN_OFF: Dict[str, str] = {
+    "managed_gradient_accumulation": "false (DeepSpeed's unmanaged accumulation: every "
+                      "step() is an accumulation boundary and applies an update, whatever "
+                      "gradient_accumulation_steps says) is not implemented: zerotrain "
+                      "updates at the boundary its micro-step counter sets; remove the key "
+                      "and set gradient_accumulation_steps to the backwards per step()",
+}
+
+
 def refused_when_on(path: str, value: object) -> str:
-    """Why ``path`` cannot be set to ``value`` ("" when accepted: the feature is off)."""
+    """Why ``path`` cannot be set to ``value`` ("" when accepted: the feature is off, or
+    for a REFUSED_WHEN_OFF key, left on)."""
+    if path in REFUSED_WHEN_OFF:
+        return "" if value is None or value is True or value == 1 else REFUSED_WHEN_OFF[path]
     off = value in (None, False, 0, "", {}) or (
         isinstance(value, dict) and value.get("enabled", True) is False)
     return "" if off else REFUSED_WHEN_ON.get(path, "")

@@ -31,17 +31,24 @@ class OffloadConfig(_Section):
     trace_path: Optional[str] = None
 
 
+# DeepSpeed 0.19's defaults (``deepspeed.runtime.zero.leaf_module_config``'s names)
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"]
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
 class LeafModuleConfig(_Section):
     """``leaf_module``: modules stage 3 gathers whole (Note "leaf modules" in
     ``zero3/leaf.py``). DeepSpeed 0.19's defaults: the Mixtral, Qwen2-MoE and Qwen3-MoE
     sparse blocks, by class name; a single string is a list of one."""
 
-    classes: list[str] = Field(default_factory=lambda: [
-        "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"])
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
 
     @model_validator(mode="before")
     @classmethod
@@ -50,6 +57,9 @@ class LeafModuleConfig(_Section):
             data = {k: [v] if isinstance(v, str) and k in ("classes", "names", "name_suffixes")
                     else v for k, v in data.items()}
         return data
+
+
+DeepSpeedZeroLeafModuleConfig = LeafModuleConfig   # DeepSpeed's name
 
 
 class ZeroConfig(_Section):

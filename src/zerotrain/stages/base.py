@@ -191,6 +191,13 @@ class BucketedStage:
     def finish_backward(self) -> None:
         self.buckets.finish()
 
+    def gradient_overwritten(self, g: int) -> None:
+        """Group g's reduced gradient was written from outside (``utils.safe_set_*_grad``):
+        its squared norm taken on arrival is stale and a copy streamed to the host, or a
+        step speculated from it, must not be used."""
+        getattr(self, "_squares", {}).pop(g, None)
+        self.updater.forget()
+
     def zero_grad(self) -> None:
         self.updater.retract()   # gradients discarded: no speculative step stands
         self.buckets.collect()

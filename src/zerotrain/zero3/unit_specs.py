@@ -46,10 +46,12 @@ class UnitSpec:
 
 
 def inside_leaves(root: nn.Module) -> set[nn.Module]:
-    """Modules strictly under a leaf module (Note: units): none of them starts a unit."""
+    """Modules strictly under a leaf module (Note: units): none of them starts a unit. The
+    model itself may be the leaf (DeepSpeed's rule too): then it is one unit, gathered
+    whole, which lets ranks run different submodules of it."""
     inside: set[nn.Module] = set()
     for module in root.modules():
-        if module not in inside and module is not root and z3_leaf_module(module):
+        if module not in inside and z3_leaf_module(module):
             inside.update(list(module.modules())[1:])
     return inside
 
@@ -98,7 +100,7 @@ def build_units(root: nn.Module, *, unit_numel: int, persistence_threshold: int)
     owner: dict[int, UnitSpec] = {}
 
     def open_units(module: nn.Module, name: str) -> tuple[UnitSpec, UnitSpec]:
-        leaf = module is not root and z3_leaf_module(module)
+        leaf = z3_leaf_module(module)
         main = UnitSpec(len(units), name, module, leaf=leaf)
         keep = UnitSpec(len(units) + 1, name, module, persistent=True, leaf=leaf)
         units.extend([main, keep])

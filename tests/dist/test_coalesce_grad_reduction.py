@@ -1,0 +1,62 @@
+"""``engine.coalesce_grad_reduction()`` (DeepSpeed 0.19), on 2 gloo ranks: backwards inside
+keep their gradients local, leaving the block reduces them once, and the steps equal those
+of the same backwards without the block."""
+import contextlib
+
+import pytest
+import torch
+
+
+def _job(rank: int, world: int, stage: int, coalesce: bool) -> list[torch.Tensor]:
+    import zerotrain
+    from zerotrain.errors import StateError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    engine, *_ = zerotrain.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(2):
+        with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+            for i in range(3):
+                engine.set_gradient_accumulation_boundary(i == 2)
+                engine.backward(engine(torch.randn(2, 6, generator=g)).square().mean())
+                if coalesce and i == 2:
+                    with pytest.raises(StateError, match="inside coalesce"):
+                        engine.step()
+        engine.step()
+    out = [p.detach().clone() for p in model.parameters()]
+    if stage == 1:
+        with engine.no_sync():
+            with pytest.raises(StateError, match="nested"):
+                with engine.coalesce_grad_reduction():
+                    pass
+    engine.close()
+    return out
+
+
+def _stage0_job(rank: int, world: int) -> bool:
+    import zerotrain
+
+    engine, *_ = zerotrain.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 2 * world, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    with pytest.raises(NotImplementedError, match="stage 1/2/3"):
+        with engine.coalesce_grad_reduction():
+            pass
+    engine.close()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_coalesced_step_equals_the_plain_one(worlds, stage):
+    plain = worlds.run(2, _job, stage, False)
+    coalesced = worlds.run(2, _job, stage, True)
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(plain[rank], coalesced[rank])), rank
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], plain[1]))
+
+
+def test_stage_0_refuses_it_as_deepspeed(worlds):
+    assert worlds.run(2, _stage0_job) == [True, True]

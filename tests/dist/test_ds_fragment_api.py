@@ -1,0 +1,102 @@
+"""DeepSpeed's gradient setters and stage 3's local accessors (``deepspeed.utils``
+``safe_set_full_grad``, ``safe_update_full_grad_vectorized``, ``safe_*_local_*``), on 2
+gloo ranks against a single-process reference: a gradient replaced before ``step()`` is
+the one the step applies (clipping sees it too), and a local chunk is the rank's part of
+the full value."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference as R
+
+CLIP = 0.05   # small enough that every step clips: the norm must be the replaced gradients'
+# per step, the factor for the first parameter and for the others (Adam is blind to one
+# factor for all; different ones per step and parameter change where it goes)
+FACTORS = [(0.5, 2.0), (3.0, 0.25)]
+
+
+def _job(rank: int, world: int, stage: int) -> dict:
+    import zerotrain
+    from zerotrain.utils import (safe_get_full_fp32_param, safe_get_full_grad,
+                                 safe_get_full_optimizer_state, safe_get_local_fp32_param,
+                                 safe_get_local_grad, safe_get_local_optimizer_state,
+                                 safe_set_full_grad, safe_set_local_grad,
+                                 safe_update_full_grad_vectorized)
+
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=stage,
+                                                                          clip=CLIP))
+    out: dict = {"local": {}}
+    for step in range(2):
+        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        params = list(model.parameters())
+        if step == 0:
+            out["norms"] = engine.optimizer._get_norm_groups()
+        if stage == 3:   # halve the first parameter through its local chunk
+            first = params[0]
+            chunk = safe_get_local_grad(first)
+            full = safe_get_full_grad(first).reshape(-1)
+            n = chunk.numel()
+            out["local"]["grad"] = torch.equal(
+                chunk[: max(0, min(n, full.numel() - rank * n))], full[rank * n:(rank + 1) * n])
+            safe_set_local_grad(first, chunk * FACTORS[step][0])
+            params = params[1:]
+        else:
+            safe_set_full_grad(params[0], safe_get_full_grad(params[0]) * FACTORS[step][0])
+            params = params[1:]
+        safe_update_full_grad_vectorized(params, lambda g, p: g * FACTORS[step][1])
+        if step == 0:
+            out["norms"] += engine.optimizer._get_norm_groups()
+        engine.step()
+        assert engine.optimizer._global_grad_norm == engine.get_global_grad_norm() > 0
+    if stage == 3:
+        p = next(model.parameters())
+        full = safe_get_full_fp32_param(p).reshape(-1)
+        avg = safe_get_full_optimizer_state(p, "exp_avg").reshape(-1)
+        n = safe_get_local_fp32_param(p).numel()
+        local = safe_get_local_fp32_param(p)[: max(0, min(n, full.numel() - rank * n))]
+        out["local"]["param"] = torch.equal(local, full[rank * n:(rank + 1) * n])
+        local = safe_get_local_optimizer_state(p, "exp_avg")[: local.numel()]
+        out["local"]["exp_avg"] = torch.equal(local, avg[rank * n:(rank + 1) * n])
+    else:
+        with pytest.raises(zerotrain.errors.StateError, match="stage 3"):
+            safe_get_local_fp32_param(next(model.parameters()))
+    out["params"] = {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
+    engine.close()
+    return out
+
+
+def _reference(world: int) -> tuple[dict, list]:
+    """Two clipped steps of AdamW on the averaged gradients, scaled by FACTORS; and the
+    first step's gradient norm before and after the scaling."""
+    model = R.make_model()
+    opt = R.adamw(model.parameters())
+    for step in range(2):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(world):
+            model.zero_grad(set_to_none=True)
+            model(*R.micro_batch(step, rank, 0)).backward()
+            for g, p in zip(grads, model.parameters()):
+                g.add_(p.grad)
+        if step == 0:
+            norms = [torch.linalg.vector_norm(torch.cat([g.reshape(-1) / world for g in grads]))]
+        for i, (p, g) in enumerate(zip(model.parameters(), grads)):
+            p.grad = g / world * FACTORS[step][0 if i == 0 else 1]
+        if step == 0:
+            norms.append(torch.linalg.vector_norm(
+                torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_replaced_gradients_are_the_ones_stepped_and_local_chunks_are_the_ranks(worlds,
+                                                                                stage):
+    expected, norms = _reference(2)
+    for rank, res in enumerate(worlds.run(2, _job, stage)):
+        where = f"stage {stage} rank {rank}"
+        assert torch.allclose(torch.stack(res["norms"]), torch.stack(norms), rtol=1e-5), where
+        assert R.max_diff(res["params"], expected) < 1e-6, where
+        assert all(res["local"].values()), (where, res["local"])

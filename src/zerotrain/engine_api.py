@@ -52,19 +52,21 @@ class DeepSpeedEngineAPI:
     # ------------------------------------------------------------------ parallelism
     @property
     def dp_world_size(self) -> int:
-        """Ranks of the data-parallel group: every rank (zerotrain is data parallel only)."""
-        return self.comm.world_size
+        """Ranks of the data-parallel group: every rank, or world / T with
+        ``tensor_parallel.autotp_size`` T (``zerotrain.tp``)."""
+        return getattr(self.stage, "data_parallel_world_size", self.comm.world_size)
 
     @property
     def mp_world_size(self) -> int:
-        """Model-parallel ranks: 1 (no tensor or pipeline parallelism)."""
-        return 1
+        """Model-parallel ranks: the tensor-parallel size T (1 without tensor parallelism;
+        no pipeline parallelism)."""
+        return getattr(self.stage, "tensor_parallel_world_size", 1)
 
     def get_data_parallel_world_size(self) -> int:
         return self.dp_world_size
 
     def get_data_parallel_rank(self) -> int:
-        return self.comm.rank
+        return self.comm.rank // self.mp_world_size   # Note "the mesh" in comm/mesh.py
 
     # ------------------------------------------------------------------ ZeRO
     def zero_optimization(self) -> bool:

@@ -8,9 +8,9 @@ mixin :class:`ZeroEngine` inherits, they stay out of the engine's training logic
 Each answers as DeepSpeed's engine does (``deepspeed/runtime/engine.py``), with three
 deliberate differences, each named where it is: ``get_batch_info()`` returns the three
 numbers (DeepSpeed's returns the three bound methods), ``dynamic_loss_scale()`` is False
-without fp16 (DeepSpeed says True for fp32, where nothing is scaled), and the parallelism
-is data parallelism only, so ``mp_world_size`` is 1 and the data-parallel group is the
-world.
+without fp16 (DeepSpeed says True for fp32, where nothing is scaled), and the only model
+parallelism is tensor parallelism (``mp_world_size`` is its size T, 1 without it; the
+data-parallel group is the world, or world / T of it).
 
 The mixin reads what the engine sets in ``__init__``: ``config`` (``ZeroTrainConfig``),
 ``comm`` (its world), ``optimizer`` and ``stage`` (whose ``optimizer`` is the torch

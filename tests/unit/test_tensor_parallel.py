@@ -32,9 +32,8 @@ def test_autotp_rules_split_projections_and_keep_the_rest_whole():
     assert rules.rule_for("model.layers.0.mlp.down_proj").kind == "row"
     assert rules.rule_for("transformer.h.1.attn.c_attn").sections == 3
     assert rules.rule_for("lm_head") is None and rules.rule_for("model.norm") is None
-    custom = Rules(SimpleNamespace(use_default_specs=False, layer_specs=[SimpleNamespace(
-        patterns=[r".*\.fc_in\.weight$"], partition_type="column", shape=None,
-        partition_dim=None)]))
+    custom = Rules(SimpleNamespace(use_default_specs=False, layer_specs=[
+        {"patterns": [r".*\.fc_in\.weight$"], "partition_type": "column"}]))
     assert custom.rule_for("block.fc_in").kind == "column"
     assert custom.rule_for("model.layers.0.self_attn.q_proj") is None
 

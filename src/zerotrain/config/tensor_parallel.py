@@ -9,28 +9,54 @@ named in the unimplemented-keys warning (``keys.py``).
 """
 from __future__ import annotations
 
-from typing import Any, List, Literal, Mapping, Optional
+import re
+from typing import Any, Dict, List, Literal, Mapping, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..errors import ConfigError
 from .fields import _Section
 
 
-class LayerSpec(_Section):
-    """One rule: weights whose name matches one of ``patterns`` are split ``partition_type``.
-    ``shape``/``partition_dim`` (DeepSpeed's fused-weight hints) are refused unless the
-    default: zerotrain knows the fused layers it splits (``c_attn``, ``gate_up_proj``)."""
+_SPEC_KEYS = {"patterns", "partition_type", "shape", "partition_dim"}
+_PARTITION_TYPES = ("row", "column", "skip")
 
-    patterns: List[str] = Field(min_length=1)
-    partition_type: Literal["row", "column", "skip"]
-    shape: Optional[List[int]] = None
-    partition_dim: Optional[int] = None
+
+def _check_layer_spec(spec: Any) -> Dict[str, Any]:
+    """One rule: weights whose name matches one of ``patterns`` (regular expressions) are
+    split ``partition_type``. ``shape``/``partition_dim`` (DeepSpeed's fused-weight hints)
+    are kept for ``tp/rules.py`` to refuse by name."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"each layer spec is an object, got {spec!r}")
+    unknown = sorted(set(spec) - _SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; a layer spec has {sorted(_SPEC_KEYS)}")
+    patterns = spec.get("patterns")
+    if not isinstance(patterns, list) or not patterns or not all(
+            isinstance(p, str) for p in patterns):
+        raise ValueError(f"patterns must be a non-empty list of strings, got {patterns!r}")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern {pattern!r} is not a regular expression: {exc}") from exc
+    if spec.get("partition_type") not in _PARTITION_TYPES:
+        raise ValueError(f"partition_type must be one of {list(_PARTITION_TYPES)}, got "
+                         f"{spec.get('partition_type')!r}")
+    return dict(spec)
 
 
 class PartitionConfig(_Section):
+    """``layer_specs``: rules tried before the built-in ones (``tp/rules.py``), each
+    ``{"patterns": [...], "partition_type": "row" | "column" | "skip"}``."""
+
     use_default_specs: bool = True
-    layer_specs: List[LayerSpec] = Field(default_factory=list)
+    layer_specs: List[Dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("layer_specs")
+    @classmethod
+    def _specs(cls, value: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        return [_check_layer_spec(spec) for spec in value]
 
 
 class TensorParallelConfig(_Section):

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..comm.mesh import Mesh
 from ..errors import ConfigError
-from .layers import TensorParallelLinear
+from .layers import SharedInput, TensorParallelLinear
 from .rules import Rule, Rules
 from .split import SplitSpec, local_slice
 
@@ -89,6 +89,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config) -> TensorParallelPlan:
                           "tensor_parallel.partition_config.layer_specs", value=size)
     _check_divisible(model, chosen, size)
     plan = TensorParallelPlan(mesh)
+    shared: dict[str, SharedInput] = {}   # one f per module: its column layers share it
     for name, module, rule in chosen:
         weight_spec, bias_spec = _specs(module, rule, size)
         bias = getattr(module, "bias", None)
@@ -100,8 +101,13 @@ def parallelize(model: nn.Module, mesh: Mesh, config) -> TensorParallelPlan:
         weight.requires_grad_(module.weight.requires_grad)
         if bias is not None:
             bias.requires_grad_(module.bias.requires_grad)
+        parent = name.rpartition(".")[0]
+        if rule.kind == "column" and parent not in shared:
+            shared[parent] = SharedInput(mesh.tp, f"{parent} input")
         layer = TensorParallelLinear(kind=rule.kind, weight=weight, bias=bias,
-                                     transposed=_is_conv1d(module), comm=mesh.tp, name=name)
+                                     transposed=_is_conv1d(module), comm=mesh.tp, name=name,
+                                     shared_input=shared.get(parent) if rule.kind == "column"
+                                     else None)
         _replace(model, name, layer)
         plan.layers[name] = rule.kind
         plan.specs[f"{name}.weight"] = weight_spec

@@ -17,6 +17,7 @@ The weight keeps its module's layout: ``(out, in)`` for ``nn.Linear``, ``(in, ou
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -27,13 +28,46 @@ from ..comm import Communicator
 from ..comm.mesh import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 
+class SharedInput:
+    """One f operator (``copy_to_tensor_parallel``) for the column-parallel layers of one
+    module that read the same input: q, k and v, or gate and up.
+
+    Each layer calling f on its own would sum its input gradient over the group separately,
+    three all-reduces where Megatron has one; the sum of the layers' input gradients is
+    what autograd forms anyway, so the layers share f's output and its backward all-reduces
+    that sum once. The input is held weakly and its copy (a view of the same storage) only
+    while the input lives, so nothing outlives the forward's own tensors.
+    """
+
+    def __init__(self, comm: Communicator, label: str) -> None:
+        self.comm = comm
+        self.label = label
+        self._seen: Optional[tuple] = None   # (weakref to the input, its version, f's output)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._seen is not None:
+            source, version, out = self._seen
+            if source() is x and version == x._version:
+                return out
+        out = copy_to_tensor_parallel(x, self.comm, self.label)
+        self._seen = (weakref.ref(x, self._forget), x._version, out)
+        return out
+
+    def _forget(self, ref) -> None:
+        """The input is gone: so is any use of its copy (which views the same storage). An
+        older input dying after a newer one was seen changes nothing."""
+        if self._seen is not None and self._seen[0] is ref:
+            self._seen = None
+
+
 class TensorParallelLinear(nn.Module):
     """One split linear layer. ``kind``: "column" (output features split: the input is
     whole, the output is this rank's slice) or "row" (input features split: partial
     outputs summed over the group, then the whole bias added once)."""
 
     def __init__(self, *, kind: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 transposed: bool, comm: Communicator, name: str) -> None:
+                 transposed: bool, comm: Communicator, name: str,
+                 shared_input: Optional[SharedInput] = None) -> None:
         super().__init__()
         if kind not in ("column", "row"):
             raise ValueError(f"kind must be 'column' or 'row', got {kind!r}")
@@ -41,6 +75,7 @@ class TensorParallelLinear(nn.Module):
         self.transposed = transposed
         self.comm = comm
         self.label = name
+        self.shared_input = shared_input or SharedInput(comm, name)   # column layers only
         self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
         self.bias = (None if bias is None
                      else nn.Parameter(bias, requires_grad=bias.requires_grad))
@@ -53,7 +88,7 @@ class TensorParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "column":
-            return self._matmul(copy_to_tensor_parallel(x, self.comm, self.label), self.bias)
+            return self._matmul(self.shared_input(x), self.bias)
         out = reduce_from_tensor_parallel(self._matmul(x, None), self.comm, self.label)
         return out if self.bias is None else out + self.bias
 

@@ -39,12 +39,12 @@ class Rules:
         self.use_defaults = getattr(partition_config, "use_default_specs", True)
         self.user: list[tuple[re.Pattern, Rule]] = []
         for i, spec in enumerate(specs):
-            if spec.shape is not None or spec.partition_dim is not None:
+            if spec.get("shape") is not None or spec.get("partition_dim") is not None:
                 raise ValueError(f"tensor_parallel.partition_config.layer_specs[{i}]: shape "
                                  "and partition_dim (fused weights) are not supported; "
                                  "zerotrain splits c_attn and gate_up_proj by its own rules")
-            for pattern in spec.patterns:
-                self.user.append((re.compile(pattern), Rule(spec.partition_type)))
+            for pattern in spec["patterns"]:
+                self.user.append((re.compile(pattern), Rule(spec["partition_type"])))
 
     def rule_for(self, module_name: str) -> Optional[Rule]:
         """The rule for the linear layer ``module_name`` (None: kept whole)."""

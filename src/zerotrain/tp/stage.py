@@ -30,6 +30,7 @@ class TensorParallelStage:
         self.mesh = plan.mesh
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._views: Optional[list[tuple[ShardRecord, ShardRecord]]] = None
+        self._tp_mark: dict[str, int] = {}
         records = stage.shard_records()
         norm_comm = self.mesh.world if stage.sharded else self.mesh.tp
         stage.grad_norm = TensorParallelNorm(
@@ -117,6 +118,13 @@ class TensorParallelStage:
         return join_slices(pieces, spec)
 
     # ------------------------------------------------------------------ reports
+    def take_tensor_parallel_bytes(self) -> dict[str, int]:
+        """Bytes of the tensor-parallel collectives since the last call, by operation."""
+        now = dict(self.mesh.tp.ledger.nbytes)
+        before = self._tp_mark
+        self._tp_mark = now
+        return {op: n - before.get(op, 0) for op, n in now.items() if n - before.get(op, 0)}
+
     def dimensions(self) -> dict[str, Any]:
         """Sizes and traffic of each dimension of the mesh (bytes by collective)."""
         module_numel = {"split": 0, "replicated": 0}
@@ -125,7 +133,8 @@ class TensorParallelStage:
                 kind = "split" if self.plan.spec_of(name) else "replicated"
                 module_numel[kind] += slot.numel
         return {"tensor_parallel": {"size": self.mesh.tp_size, "rank": self.mesh.tp_rank,
-                                    "comm_bytes": dict(self.mesh.tp.ledger.nbytes)},
+                                    "comm_bytes": dict(self.mesh.tp.ledger.nbytes),
+                                    "comm_calls": dict(self.mesh.tp.ledger.calls)},
                 "data_parallel": {"size": self.mesh.dp_size, "rank": self.mesh.dp_rank,
                                   "comm_bytes": dict(self.mesh.dp.ledger.nbytes)},
                 "parameters_per_rank": module_numel}

@@ -120,3 +120,24 @@ def test_a_layer_of_one_rank_computes_the_whole_linear(kind, transposed):
                                  name="x")
     x = torch.randn(3, 6)
     assert torch.allclose(layer(x), linear(x))
+
+
+def test_the_shared_input_of_q_k_v_is_released_when_the_attention_forward_ends():
+    from zerotrain.tp.layers import SharedInput
+    calls = []
+    comm = SimpleNamespace(world_size=2, all_reduce=lambda t, **kw: calls.append(kw["label"]))
+    mesh = SimpleNamespace(tp_size=2, tp_rank=0, tp=comm)
+    model = _llama()
+    parallelize(model, mesh, _tp_config())
+    ids = torch.randint(0, 32, (1, 4))
+    model(input_ids=ids, labels=ids).loss.backward()
+    shared = {id(m.shared_input): m.shared_input for m in model.modules()
+              if getattr(m, "kind", None) == "column"}
+    assert len(shared) == 2 and all(isinstance(s, SharedInput) for s in shared.values())
+    assert all(s._seen is None for s in shared.values())   # nothing held after forward
+    # one forward all-reduce (o, down) and one backward (q/k/v, gate/up) per module
+    assert sorted(calls) == sorted(
+        ["tensor parallel forward model.layers.0.self_attn.o_proj",
+         "tensor parallel forward model.layers.0.mlp.down_proj",
+         "tensor parallel backward model.layers.0.self_attn input",
+         "tensor parallel backward model.layers.0.mlp input"])

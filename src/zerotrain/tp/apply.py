@@ -104,6 +104,9 @@ def parallelize(model: nn.Module, mesh: Mesh, config) -> TensorParallelPlan:
         parent = name.rpartition(".")[0]
         if rule.kind == "column" and parent not in shared:
             shared[parent] = SharedInput(mesh.tp, f"{parent} input")
+            owner = model.get_submodule(parent) if parent else model
+            owner.register_forward_pre_hook(shared[parent].clear)
+            owner.register_forward_hook(shared[parent].clear)
         layer = TensorParallelLinear(kind=rule.kind, weight=weight, bias=bias,
                                      transposed=_is_conv1d(module), comm=mesh.tp, name=name,
                                      shared_input=shared.get(parent) if rule.kind == "column"

@@ -17,7 +17,6 @@ The weight keeps its module's layout: ``(out, in)`` for ``nn.Linear``, ``(in, ou
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -35,29 +34,28 @@ class SharedInput:
     Each layer calling f on its own would sum its input gradient over the group separately,
     three all-reduces where Megatron has one; the sum of the layers' input gradients is
     what autograd forms anyway, so the layers share f's output and its backward all-reduces
-    that sum once. The input is held weakly and its copy (a view of the same storage) only
-    while the input lives, so nothing outlives the forward's own tensors.
+    that sum once. The module that owns the layers clears the cache when its forward ends
+    (``apply.py`` registers :meth:`clear` as its forward hook), so no activation is held
+    beyond the forward that made it.
     """
 
     def __init__(self, comm: Communicator, label: str) -> None:
         self.comm = comm
         self.label = label
-        self._seen: Optional[tuple] = None   # (weakref to the input, its version, f's output)
+        self._seen: Optional[tuple] = None   # (the input, its version, f's output)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._seen is not None:
             source, version, out = self._seen
-            if source() is x and version == x._version:
+            if source is x and version == x._version:
                 return out
         out = copy_to_tensor_parallel(x, self.comm, self.label)
-        self._seen = (weakref.ref(x, self._forget), x._version, out)
+        self._seen = (x, x._version, out)
         return out
 
-    def _forget(self, ref) -> None:
-        """The input is gone: so is any use of its copy (which views the same storage). An
-        older input dying after a newer one was seen changes nothing."""
-        if self._seen is not None and self._seen[0] is ref:
-            self._seen = None
+    def clear(self, *_hook_args) -> None:
+        """Forget the last input (a forward hook of the owning module)."""
+        self._seen = None
 
 
 class TensorParallelLinear(nn.Module):

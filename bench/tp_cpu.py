@@ -9,8 +9,9 @@ global batch (8 sequences of 64 tokens) train for ``--steps`` AdamW steps at ZeR
 Printed, one row per mesh (a markdown table): median s/step (wall, max over ranks) and
 process CPU s/step over steps 2..N; rank 0's parameters, gradients and optimizer state
 (bytes, ``engine.memory_breakdown()``); bytes per step on the data-parallel (and world)
-groups and on the tensor-parallel group (``engine.communication_breakdown()``); the loss
-after the last step. Timing on a shared machine is noisy: read the CPU column.
+groups and on the tensor-parallel group (``engine.communication_breakdown()``); the loss of
+the last step's global batch (the mean over ranks: both meshes see the same 8 sequences, so
+it agrees to rounding). Timing on a shared machine is noisy: read the CPU column.
 
     python bench/tp_cpu.py                    # stage 2, 6 steps, ~1-3 min
     python bench/tp_cpu.py --stage 1 --steps 4
@@ -62,7 +63,7 @@ def _run(tp: int, stage: int, steps: int) -> dict:
         engine.step()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-        loss = float(out.loss)
+        loss = float(out.loss.detach())
     comm = engine.communication_breakdown()
     memory = engine.memory_breakdown()
     engine.destroy()
@@ -101,7 +102,7 @@ def main() -> None:
     print(f"stage {args.stage}, {args.steps} steps, global batch {GLOBAL} x {SEQ} tokens, "
           f"{WORLD} gloo ranks, torch {torch.__version__}\n")
     print("| mesh | s/step (wall) | CPU s/step | params MiB | grads MiB | optimizer MiB | "
-          "DP+world MiB/step | TP MiB/step | final loss |")
+          "DP+world MiB/step | TP MiB/step | last loss (global batch) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for tp in (2, 1):
         rows = [results[r][tp] for r in range(WORLD)]
@@ -111,7 +112,7 @@ def main() -> None:
               f"{max(r['cpu'] for r in rows):.3f} | {mem.get('parameters', 0) / mib:.2f} | "
               f"{mem.get('gradients', 0) / mib:.2f} | {mem.get('optimizer_state', 0) / mib:.2f}"
               f" | {dp_bytes / mib:.2f} | {comm.get('tensor_parallel', 0) / mib:.2f} | "
-              f"{rows[0]['loss']:.4f} |")
+              f"{statistics.mean(r['loss'] for r in rows):.6f} |")
 
 
 if __name__ == "__main__":

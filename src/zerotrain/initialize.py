@@ -9,9 +9,13 @@ The order matters and is written down here:
 3. the module on its device and dtype;
 4. a fingerprint exchange, so ranks that disagree fail with a message instead of a hang;
 5. rank 0's parameters broadcast, so every rank starts from the same weights;
-6. the stage, which shards the optimizer and installs the gradient hooks;
-7. the scheduler and the data loader, which need the stage's optimizer and the world size;
-8. with ``compile.enabled``, ``engine.compile``: last, because what is compiled depends on
+6. with ``tensor_parallel.autotp_size`` T > 1, the mesh and the model's layers split over
+   it (``tp/``), after the broadcast so every rank cuts its slice from the same weights;
+   the stage then shards over the data-parallel ranks only;
+7. the stage, which shards the optimizer and installs the gradient hooks;
+8. the scheduler and the data loader, which need the stage's optimizer and the
+   data-parallel world size;
+9. with ``compile.enabled``, ``engine.compile``: last, because what is compiled depends on
    the stage's hooks (per unit at stage 3, docs/compile.md).
 """
 from __future__ import annotations

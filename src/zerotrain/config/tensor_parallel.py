@@ -99,8 +99,9 @@ def check_other_parallelism(raw: Mapping[str, Any]) -> None:
     ``sequence_parallel_size`` above 1, a ``pipeline`` section with more than one stage."""
     sp = raw.get("sequence_parallel_size")
     if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1:
-        raise ConfigError("sequence_parallel_size", f"{_OTHER_PARALLELISM['sequence_parallel_size']}"
-                          "; remove the key or set it to 1", value=sp)
+        why = _OTHER_PARALLELISM["sequence_parallel_size"]
+        raise ConfigError("sequence_parallel_size", f"{why}; remove the key or set it to 1",
+                          value=sp)
     pipeline = raw.get("pipeline")
     stages = pipeline.get("stages", 1) if isinstance(pipeline, dict) else 1
     if isinstance(stages, int) and not isinstance(stages, bool) and stages > 1:

@@ -42,7 +42,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("teardown",), ("comm", "memory", "precision", "log", "timers", "throughput", "accelerator")),
     # 3. building blocks of a stage
     (("buckets", "optim", "optim_kinds", "schedules", "dataloader", "offload", "ops", "lr_watch",
-      "hierarchy", "direct_backward", "offload_names"),),
+      "hierarchy", "direct_backward", "offload_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("zero3", "activation", "compile"), ("zero", "checkpointing", "factory")),
     # 5. persistence, and DeepSpeed's helpers over it
@@ -73,7 +73,7 @@ ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared 
 # imports only from rows above its own. comm: set-up and the ledger, then the Communicator
 # over them, then DeepSpeed's function API, then the package's re-exports.
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "comm": (("trail",), ("setup", "ledger"), ("communicator",), ("deepspeed_api",),
+    "comm": (("trail",), ("setup", "ledger"), ("communicator",), ("deepspeed_api", "mesh"),
              ("__init__",)),
 }
 

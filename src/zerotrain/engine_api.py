@@ -8,9 +8,9 @@ mixin :class:`ZeroEngine` inherits, they stay out of the engine's training logic
 Each answers as DeepSpeed's engine does (``deepspeed/runtime/engine.py``), with three
 deliberate differences, each named where it is: ``get_batch_info()`` returns the three
 numbers (DeepSpeed's returns the three bound methods), ``dynamic_loss_scale()`` is False
-without fp16 (DeepSpeed says True for fp32, where nothing is scaled), and the parallelism
-is data parallelism only, so ``mp_world_size`` is 1 and the data-parallel group is the
-world.
+without fp16 (DeepSpeed says True for fp32, where nothing is scaled), and the only model
+parallelism is tensor parallelism (``mp_world_size`` is its size T, 1 without it; the
+data-parallel group is the world, or world / T of it).
 
 The mixin reads what the engine sets in ``__init__``: ``config`` (``ZeroTrainConfig``),
 ``comm`` (its world), ``optimizer`` and ``stage`` (whose ``optimizer`` is the torch
@@ -55,19 +55,21 @@ class DeepSpeedEngineAPI:
     # ------------------------------------------------------------------ parallelism
     @property
     def dp_world_size(self) -> int:
-        """Ranks of the data-parallel group: every rank (zerotrain is data parallel only)."""
-        return self.comm.world_size
+        """Ranks of the data-parallel group: every rank, or world / T with
+        ``tensor_parallel.autotp_size`` T (``zerotrain.tp``)."""
+        return getattr(self.stage, "data_parallel_world_size", self.comm.world_size)
 
     @property
     def mp_world_size(self) -> int:
-        """Model-parallel ranks: 1 (no tensor or pipeline parallelism)."""
-        return 1
+        """Model-parallel ranks: the tensor-parallel size T (1 without tensor parallelism;
+        no pipeline parallelism)."""
+        return getattr(self.stage, "tensor_parallel_world_size", 1)
 
     def get_data_parallel_world_size(self) -> int:
         return self.dp_world_size
 
     def get_data_parallel_rank(self) -> int:
-        return self.comm.rank
+        return self.comm.rank // self.mp_world_size   # Note "the mesh" in comm/mesh.py
 
     # ------------------------------------------------------------------ ZeRO
     def zero_optimization(self) -> bool:

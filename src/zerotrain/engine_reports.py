@@ -61,7 +61,9 @@ class EngineReports:
         ``{"steps": optimizer steps in the window, "intra_node": {op: bytes}, "cross_node":
         {op: bytes}}``. A group spanning nodes counts as cross-node (Note: intra-node and
         cross-node bytes in ``comm/ledger.py``); nodes come from torchrun's ``LOCAL_WORLD_SIZE``
-        and ``GROUP_RANK``. Counting starts afresh after each call."""
+        and ``GROUP_RANK``. With tensor parallelism, ``"tensor_parallel": {op: bytes}`` is the
+        tensor-parallel group's traffic, the rest the data-parallel (and world) traffic.
+        Counting starts afresh after each call."""
         steps, before = self._comm_mark
         now = reach_totals(self.comm.ledger)
         self._comm_mark = (self.global_steps, now)
@@ -69,6 +71,9 @@ class EngineReports:
         for reach, totals in now.items():
             diff = {op: n - before[reach].get(op, 0) for op, n in totals.items()}
             out[reach] = {op: n for op, n in diff.items() if n}
+        take = getattr(self.stage, "take_tensor_parallel_bytes", None)
+        if take is not None:   # tensor parallelism: the other dimension's bytes (tp/stage.py)
+            out["tensor_parallel"] = take()
         return out
 
 

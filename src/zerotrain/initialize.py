@@ -9,9 +9,13 @@ The order matters and is written down here:
 3. the module on its device and dtype;
 4. a fingerprint exchange, so ranks that disagree fail with a message instead of a hang;
 5. rank 0's parameters broadcast, so every rank starts from the same weights;
-6. the stage, which shards the optimizer and installs the gradient hooks;
-7. the scheduler and the data loader, which need the stage's optimizer and the world size;
-8. with ``compile.enabled``, ``engine.compile``: last, because what is compiled depends on
+6. with ``tensor_parallel.autotp_size`` T > 1, the mesh and the model's layers split over
+   it (``tp/``), after the broadcast so every rank cuts its slice from the same weights;
+   the stage then shards over the data-parallel ranks only;
+7. the stage, which shards the optimizer and installs the gradient hooks;
+8. the scheduler and the data loader, which need the stage's optimizer and the
+   data-parallel world size;
+9. with ``compile.enabled``, ``engine.compile``: last, because what is compiled depends on
    the stage's hooks (per unit at stage 3, docs/compile.md).
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .checkpoint.deepspeed import is_deepspeed_tag_dir, tag_steps
 from .checkpoint.fs import resume_candidates
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device, set_group_timeout)
+from .comm.mesh import build_mesh
 from .compile import refuse_precompiled
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
@@ -50,6 +55,7 @@ from .precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
 from .factory import build_stage
+from .tp import TensorParallelPlan, TensorParallelStage, parallelize
 from .zero3.init import unpartition
 from .zero3.partition import full_shape, is_partitioned
 
@@ -131,21 +137,27 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             comm.broadcast(tensor.data, src=0)
         comm.ledger.reset()
 
+    if cfg.tensor_parallel.size > 1 and model_parameters is not None:
+        model_parameters = list(model_parameters)   # its split parameters are replaced
+    plan = _split_tensor_parallel(model, cfg, comm, optimizer, model_parameters)
+    stage_comm = comm if plan is None else plan.mesh.dp   # ZeRO over data parallel only
     groups = [] if inference else _trainable_groups(model, optimizer, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
     stage = build_stage(
         cfg.zero_optimization.stage, module=model,
         groups=[([names[id(p)] for p in g["params"]], g["params"]) for g in groups],
-        comm=comm, policy=policy, zero_config=cfg.zero_optimization,
+        comm=stage_comm, policy=policy, zero_config=cfg.zero_optimization,
         make_optimizer=(_no_optimizer if inference
                         else _optimizer_factory(cfg, optimizer, groups, device)))
+    if plan is not None:
+        stage = TensorParallelStage(stage, plan, model)
 
     scheduler = _scheduler(cfg, lr_scheduler, stage.optimizer)
     loader = None
     if training_data is not None:
         loader = DistributedLoader(training_data,
                                    micro_batch_size=cfg.train_micro_batch_size_per_gpu,
-                                   rank=comm.rank, world_size=comm.world_size,
+                                   rank=stage_comm.rank, world_size=stage_comm.world_size,
                                    collate_fn=collate_fn)
     engine = ZeroEngine(model, config=cfg, comm=comm, stage=stage, policy=policy,
                         lr_scheduler=scheduler, training_dataloader=loader)
@@ -158,6 +170,34 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
 
 # ---------------------------------------------------------------------- helpers
+def _split_tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, comm: Communicator,
+                           optimizer, model_parameters) -> "Optional[TensorParallelPlan]":
+    """With ``tensor_parallel.autotp_size`` T > 1: the mesh, and the model's layers split
+    over it (``tp/apply.py``), after rank 0's weights were broadcast so every rank cuts
+    its slice from the same tensors. The client optimizer's and ``model_parameters``'
+    references to a split parameter are moved to its slice. None without it."""
+    size = cfg.tensor_parallel.size
+    if size == 1:
+        return None
+    if cfg.zero_optimization.stage == 3:
+        raise ConfigError("tensor_parallel.autotp_size", f"{size} with zero_optimization."
+                          "stage 3: tensor parallelism composes with stages 0-2 only "
+                          "(docs/tensor-parallel.md)", value=size)
+    before = dict(model.named_parameters())
+    plan = parallelize(model, build_mesh(comm, size), cfg.tensor_parallel)
+    after = dict(model.named_parameters())
+    moved = {id(p): after[n] for n, p in before.items() if after.get(n) is not p}
+    holders = ([g for g in optimizer.param_groups] if optimizer is not None else []) + (
+        [g for g in model_parameters if isinstance(g, dict)]
+        if isinstance(model_parameters, list) else [])
+    for group in holders:
+        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    if isinstance(model_parameters, list):
+        model_parameters[:] = [moved.get(id(p), p) if isinstance(p, torch.Tensor) else p
+                               for p in model_parameters]
+    return plan
+
+
 AUTO_RESUME_ENV = "ZEROTRAIN_AUTO_RESUME"  # set by `zerotrain launch --auto-resume DIR`
 AUTO_RESUME_LAUNCHER_ENV = "ZEROTRAIN_AUTO_RESUME_LAUNCHER"   # the launcher's pid
 

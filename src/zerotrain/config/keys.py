@@ -32,7 +32,7 @@ _UNIMPLEMENTED_NAMES = {
         gradient_predivide_factor graph_harvesting hybrid_engine log_level
         managed_gradient_accumulation memory_breakdown nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_comm_data_type
-        sequence_parallel_size sparse_attention sparse_gradients tensor_parallel tensorboard
+        sequence_parallel_size sparse_attention sparse_gradients tensorboard
         timers torch_autocast use_data_before_expert_parallelism vocabulary_size wandb
         weight_quantization zero_force_ds_cpu_optimizer""",
     # DeepSpeed takes both the stage3_ alias and the bare field name of its stage-3 options.
@@ -61,6 +61,8 @@ _UNIMPLEMENTED_NAMES = {
         double_buffer symmetric_memory dump_graphs debug_log offload_parameters
         sync_before_reduce sync_after_reduce sync_before_allgather sync_after_allgather
         keep_int_input_tensors keep_all_input_tensors""",
+    "tensor_parallel": """tp_overlap_comm dtype keep_module_on_host tp tensor_parallel
+        injection_policy_tuple replace_with_kernel_inject kernel_inject""",
     "checkpoint": "tag_validation load_universal use_node_local_storage parallel_write",
     "checkpoint.writer": "type io_buffer_size io_buffer_double show_statistics data_parallel",
 }

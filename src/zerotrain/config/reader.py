@@ -18,6 +18,7 @@ from .keys import ZeroTrainConfigWarning, unimplemented_message
 from .schema import ZeroTrainConfig
 from .sections import SCHEDULER_TYPES, ActivationCheckpointingConfig
 from .source import _read
+from .tensor_parallel import check_other_parallelism, tensor_parallel_size
 from .walk import _choose, _clean, _prepare_optimizer, _reject_auto, _validate, _Walk
 
 
@@ -40,10 +41,11 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
     if isinstance(scheduler, dict) and "type" in scheduler:
         scheduler["type"] = _choose(scheduler["type"], SCHEDULER_TYPES, "scheduler.type",
                                     ignore_case=False)
-    _resolve_batch(data, world_size)
+    _resolve_batch(data, world_size // tensor_parallel_size(data, world_size))
     result = _validate(ZeroTrainConfig, data, "", walk)
     _check_combinations(result, walk)
     _check_hierarchical(result.zero_optimization, world_size)
+    check_other_parallelism(raw)
     result._raw = raw
     result._unimplemented = list(walk.unimplemented)
     if walk.unimplemented and warn_unimplemented:

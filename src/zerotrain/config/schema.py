@@ -14,6 +14,7 @@ from .fields import NonNegative, PrecisionName, _Section
 from .sections import (ActivationCheckpointingConfig, BF16Config, CheckpointConfig,
                        CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig,
                        SchedulerConfig)
+from .tensor_parallel import TensorParallelConfig
 from .zero import ZeroConfig
 
 
@@ -34,6 +35,7 @@ class ZeroTrainConfig(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     steps_per_print: Union[int, float] = 10   # a whole number >= 1, or inf: never (Accelerate)
     wall_clock_breakdown: bool = False
     communication_data_type: Optional[PrecisionName] = None   # gradient reductions

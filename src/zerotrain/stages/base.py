@@ -130,6 +130,18 @@ class Stage(Protocol):
         "moving storages, not tensors" in offload/states.py)."""
 
 
+class NormSpan(Protocol):
+    """How the gradient norm spans more than the stage's own group (tensor parallelism:
+    ``tp/norm.py``): ``square`` is record ``index``'s contribution to the squared norm
+    (parameters replicated over the other dimension weighted so that the sum over ``comm``
+    counts them once), and ``comm`` the group the squares are summed over."""
+
+    comm: Communicator
+
+    def square(self, index: int, layout, shard: torch.Tensor) -> torch.Tensor:
+        """fp32 scalar tensor (1 element)."""
+
+
 class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
     clearing, and the step (``prepare_gradients``, the update, then publishing).
@@ -150,6 +162,7 @@ class BucketedStage:
 
     _boundary = True
     data_parallel_world: Optional[int] = None   # ranks averaged over, if not comm's (MiCS)
+    grad_norm: Optional[NormSpan] = None   # the norm over a wider group (tensor parallel)
 
     def watch_buckets(self) -> None:
         """Follow bucket completion (Note: records as buckets complete)."""
@@ -184,7 +197,9 @@ class BucketedStage:
         if self._blocks_left[g]:
             return
         shard = self.buckets.reduced_shard(g)
-        self._squares[g] = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
+        self._squares[g] = (self.grad_norm.square(g, self.buckets.layouts[g], shard)
+                            if self.grad_norm is not None else
+                            torch.linalg.vector_norm(shard, dtype=torch.float32).square())
         self._arrived.append(g)
         self.updater.stream(g, shard, self.data_parallel_world or self.comm.world_size)
 
@@ -211,7 +226,8 @@ class BucketedStage:
                                   grad_scale=grad_scale, clip=clip,
                                   wire=[self.buckets.exact_dtype(i) for i in range(len(records))],
                                   squares=getattr(self, "_squares", {}),
-                                  average_over=self.data_parallel_world)
+                                  average_over=self.data_parallel_world,
+                                  norm=self.grad_norm)
         if isinstance(grads, StepOutcome):   # inf/nan: nothing is stepped
             self.updater.forget()
             self.zero_grad()
@@ -310,7 +326,8 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
                       comm: Communicator, sharded: bool, grad_scale: float, clip: float,
                       wire: Sequence[torch.dtype] = (),
                       squares: Optional[Mapping[int, torch.Tensor]] = None,
-                      average_over: Optional[int] = None
+                      average_over: Optional[int] = None,
+                      norm: Optional[NormSpan] = None
                       ) -> "PreparedGradients | StepOutcome":
     """What every stage does before the update (Note "one step" in ``stages/zero12.py``).
 
@@ -319,16 +336,21 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
     Here the global L2 norm of the averaged, unscaled gradient is taken (one scalar
     all-reduce when ``sharded``), from ``squares[i]`` where a record's squared norm was
     already taken as its buckets completed. On inf/nan the result is the failed
-    StepOutcome naming the first parameter affected.
+    StepOutcome naming the first parameter affected. With ``norm`` (tensor parallelism)
+    the squares are ``norm.square``'s, summed over ``norm.comm`` rather than ``comm``.
     """
     world = average_over or comm.world_size   # MiCS: the shard group is not the world
     squares = squares or {}
     sq = torch.zeros(1, dtype=torch.float32, device=summed[0].device if summed else None)
     for i, shard in enumerate(summed):
         part = squares.get(i)
-        sq += part if part is not None else torch.linalg.vector_norm(
-            shard, dtype=torch.float32).square()
-    if comm.world_size > 1:   # stage 0 too: the norm's all-reduce carries the fingerprint
+        if part is None:
+            part = (norm.square(i, records[i].layout, shard) if norm is not None else
+                    torch.linalg.vector_norm(shard, dtype=torch.float32).square())
+        sq += part
+    if norm is not None and norm.comm.world_size > 1:   # summed over both dimensions
+        sq = _reduce_with_fingerprint(sq, norm.comm, True)
+    elif comm.world_size > 1:   # stage 0 too: the norm's all-reduce carries the fingerprint
         sq = _reduce_with_fingerprint(sq, comm, sharded)
     norm = float(sq.sqrt().item()) / world / grad_scale
     if not math.isfinite(norm):

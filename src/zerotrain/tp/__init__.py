@@ -1,0 +1,18 @@
+"""Tensor parallelism under ZeRO: DeepSpeed's AutoTP training (``tensor_parallel.autotp_size``).
+
+One module per job: ``split`` (how a parameter is cut, pure arithmetic), ``rules`` (which
+layers are cut: DeepSpeed's AutoTP names and user patterns), ``layers`` (the column- and
+row-parallel linear layers; Note "plain slices, not DTensors"), ``apply`` (``parallelize``:
+cutting a model), ``norm`` (the gradient norm over both dimensions), ``view`` (checkpoint
+records with the tensor-parallel dimension gathered) and ``stage`` (the ZeRO stage seen
+over the whole mesh). The mesh and the two tensor-parallel collectives are in
+``comm/mesh.py``. docs/tensor-parallel.md says what composes.
+"""
+from __future__ import annotations
+
+from .apply import TensorParallelPlan, parallelize
+from .split import SplitSpec, join_slices, local_slice
+from .stage import TensorParallelStage
+
+__all__ = ["SplitSpec", "TensorParallelPlan", "TensorParallelStage", "join_slices",
+           "local_slice", "parallelize"]

@@ -1,0 +1,140 @@
+"""A ZeRO stage over the data-parallel group of a tensor-parallel mesh, as the engine and
+checkpoints see it.
+
+The stage itself (stages 0-2, ``stages/zero12.py``) runs unchanged over ``mesh.dp`` on
+parameters that are simply smaller; :class:`TensorParallelStage` adds what spans both
+dimensions: the gradient norm (``norm.py``), checkpoint records with the tensor-parallel
+dimension gathered (``view.py``), full copies for export, and the per-dimension report.
+Everything else is the stage's own (``__getattr__``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..records import ShardRecord
+from .apply import TensorParallelPlan
+from .norm import TensorParallelNorm
+from .split import join_slices
+from .view import gather_view, scatter_view
+
+
+class TensorParallelStage:
+    """``stage`` (stages 0-2 over ``plan.mesh.dp``) seen over the whole mesh."""
+
+    def __init__(self, stage: Any, plan: TensorParallelPlan, module: nn.Module) -> None:
+        self.inner = stage
+        self.plan = plan
+        self.mesh = plan.mesh
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._views: Optional[list[tuple[ShardRecord, ShardRecord]]] = None
+        self._tp_mark: dict[str, int] = {}
+        records = stage.shard_records()
+        norm_comm = self.mesh.world if stage.sharded else self.mesh.tp
+        stage.grad_norm = TensorParallelNorm(
+            norm_comm, self.mesh.tp_size,
+            [[plan.spec_of(n) is not None for n in r.names] for r in records])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def tensor_parallel_world_size(self) -> int:
+        return self.mesh.tp_size
+
+    # ------------------------------------------------------------------ training
+    def step(self, *, grad_scale: float, clip: float):
+        self._views = None   # the gathered view of the last save is stale from here
+        return self.inner.step(grad_scale=grad_scale, clip=clip)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _shard_world(self) -> int:
+        return self.mesh.dp_size if self.inner.sharded else 1
+
+    def shard_records(self) -> list[ShardRecord]:
+        """Records of full parameters over the whole world (Note "the gathered view" in
+        ``view.py``). Collective over the mesh."""
+        live = self.inner.shard_records()
+        views = [gather_view(r, self.mesh, self.plan.spec_of, self._shard_world())
+                 for r in live]
+        self._views = list(zip(views, live))
+        return views
+
+    def frozen_records(self) -> list[ShardRecord]:
+        return []
+
+    def publish_parameters(self) -> None:
+        """After a load wrote into the gathered view: cut it back into this rank's shards
+        (masters, and optimizer state when it was loaded), then publish. Collective."""
+        views, self._views = self._views, None
+        optimizer = self.inner.optimizer
+        shard_rank = getattr(self.inner, "shard_rank", 0)
+        for view, live in views or []:
+            loaded_state = view.master in optimizer.state
+            state = optimizer.state.pop(view.master, None) if loaded_state else None
+            master = scatter_view(view, live, self.mesh, self.plan.spec_of, shard_rank,
+                                  "master")
+            with torch.no_grad():
+                live.master.copy_(master)
+            if state is None:
+                continue
+            view.optimizer_state = state
+            fresh = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.numel() == view.master.numel() \
+                        and value.dim() > 0:
+                    fresh[key] = scatter_view(view, live, self.mesh, self.plan.spec_of,
+                                              shard_rank, key)
+                else:
+                    fresh[key] = value
+            live.optimizer_state.clear()
+            live.optimizer_state.update(fresh)
+            optimizer.state[live.master] = live.optimizer_state
+        self.inner.publish_parameters()
+
+    # ------------------------------------------------------------------ export
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        spec = self.plan.spec_of(self._names.get(id(tensor), ""))
+        shape = self.inner.full_shape(tensor)
+        return torch.Size(spec.full_shape(shape)) if spec else shape
+
+    def full_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor on the host; a split parameter is gathered over the
+        tensor-parallel group (collective over it: every rank, same tensors, same order)."""
+        local = self.inner.full_copy(tensor)
+        spec = self.plan.spec_of(self._names.get(id(tensor), ""))
+        if spec is None:
+            return local
+        everyone = torch.empty(self.mesh.tp_size * local.numel(), dtype=local.dtype)
+        self.mesh.tp.all_gather(everyone, local.reshape(-1), label="tensor parallel export")
+        pieces = list(everyone.view(self.mesh.tp_size, *local.shape).unbind(0))
+        return join_slices(pieces, spec)
+
+    # ------------------------------------------------------------------ reports
+    def take_tensor_parallel_bytes(self) -> dict[str, int]:
+        """Bytes of the tensor-parallel collectives since the last call, by operation."""
+        now = dict(self.mesh.tp.ledger.nbytes)
+        before = self._tp_mark
+        self._tp_mark = now
+        return {op: n - before.get(op, 0) for op, n in now.items() if n - before.get(op, 0)}
+
+    def dimensions(self) -> dict[str, Any]:
+        """Sizes and traffic of each dimension of the mesh (bytes by collective)."""
+        module_numel = {"split": 0, "replicated": 0}
+        for record in self.inner.shard_records():
+            for name, slot in zip(record.names, record.layout.slots):
+                kind = "split" if self.plan.spec_of(name) else "replicated"
+                module_numel[kind] += slot.numel
+        return {"tensor_parallel": {"size": self.mesh.tp_size, "rank": self.mesh.tp_rank,
+                                    "comm_bytes": dict(self.mesh.tp.ledger.nbytes),
+                                    "comm_calls": dict(self.mesh.tp.ledger.calls)},
+                "data_parallel": {"size": self.mesh.dp_size, "rank": self.mesh.dp_rank,
+                                  "comm_bytes": dict(self.mesh.dp.ledger.nbytes)},
+                "parameters_per_rank": module_numel}

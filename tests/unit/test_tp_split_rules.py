@@ -1,0 +1,143 @@
+"""Tensor parallelism without a process group: the split arithmetic, the AutoTP rules,
+the refusals (uneven heads, stage 3, sequence and pipeline parallelism) and the layers."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zerotrain.config import load_config
+from zerotrain.errors import ConfigError
+from zerotrain.tp import SplitSpec, join_slices, local_slice, parallelize
+from zerotrain.tp.layers import TensorParallelLinear
+from zerotrain.tp.rules import Rules
+
+
+@pytest.mark.parametrize("dim,sections", [(0, 1), (1, 1), (0, 3), (1, 2)])
+def test_local_slices_join_back_and_split_each_fused_section(dim, sections):
+    full = torch.arange(24 * 12, dtype=torch.float32).view(24, 12)
+    spec = SplitSpec(dim, 2, sections)
+    pieces = [local_slice(full, spec, t) for t in range(2)]
+    assert torch.equal(join_slices(pieces, spec), full)
+    section = full.shape[dim] // sections
+    first = full.narrow(dim, 0, section // 2)   # rank 0 starts with half of section 0 ...
+    assert torch.equal(pieces[0].narrow(dim, 0, section // 2), first)
+    if sections > 1:                            # ... and then holds half of section 1
+        second = full.narrow(dim, section, section // 2)
+        assert torch.equal(pieces[0].narrow(dim, section // 2, section // 2), second)
+
+
+def test_autotp_rules_split_projections_and_keep_the_rest_whole():
+    rules = Rules()
+    assert rules.rule_for("model.layers.0.self_attn.q_proj").kind == "column"
+    assert rules.rule_for("model.layers.0.mlp.down_proj").kind == "row"
+    assert rules.rule_for("transformer.h.1.attn.c_attn").sections == 3
+    assert rules.rule_for("lm_head") is None and rules.rule_for("model.norm") is None
+    custom = Rules(SimpleNamespace(use_default_specs=False, layer_specs=[
+        {"patterns": [r".*\.fc_in\.weight$"], "partition_type": "column"}]))
+    assert custom.rule_for("block.fc_in").kind == "column"
+    assert custom.rule_for("model.layers.0.self_attn.q_proj") is None
+
+
+def _llama(**kw):
+    import transformers
+    torch.manual_seed(0)
+    args = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    args.update(kw)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**args))
+
+
+def _mesh(size=2, rank=0):
+    return SimpleNamespace(tp_size=size, tp_rank=rank, tp=SimpleNamespace(world_size=size))
+
+
+def _tp_config(**section):
+    return load_config({"train_batch_size": 1, "tensor_parallel": {"autotp_size": 2,
+                                                                    **section}},
+                       world_size=2).tensor_parallel
+
+
+def test_parallelize_refuses_a_head_count_the_group_does_not_divide():
+    with pytest.raises(ConfigError, match=r"num_key_value_heads \(1\)"):
+        parallelize(_llama(num_key_value_heads=1), _mesh(), _tp_config())
+
+
+def test_parallelize_refuses_a_layer_whose_split_dimension_does_not_divide():
+    with pytest.raises(ConfigError, match=r"mlp\.(gate|up)_proj\.weight: shape \(33, 16\)"):
+        parallelize(_llama(intermediate_size=33), _mesh(), _tp_config())
+
+
+def test_parallelize_gives_each_rank_its_slice_under_the_same_names():
+    model = _llama()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = parallelize(model, _mesh(rank=1), _tp_config())
+    local = dict(model.named_parameters())
+    assert local.keys() == full.keys()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(local[q], full[q][8:])
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(local[o], full[o][:, 8:])
+    assert torch.equal(local["lm_head.weight"], full["lm_head.weight"])
+    assert plan.spec_of("model.norm.weight") is None
+
+
+@pytest.mark.parametrize("raw,key", [
+    ({"tensor_parallel": {"autotp_size": 3}}, "tensor_parallel.autotp_size"),
+    ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
+    ({"pipeline": {"stages": 2}}, "pipeline.stages"),
+    ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [
+        {"patterns": ["x"], "partition_type": "diagonal"}]}}},
+     "tensor_parallel.partition_config.layer_specs"),
+])
+def test_config_refuses_what_does_not_compose_by_name(raw, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config({"train_batch_size": 4, **raw}, world_size=4)
+
+
+def test_batch_triangle_counts_data_parallel_ranks_only():
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                       "tensor_parallel": {"autotp_size": 2}}, world_size=4)
+    assert cfg.train_batch_size == 4   # 2 per micro-batch x 2 data-parallel ranks
+
+
+def test_stage3_with_tensor_parallelism_is_refused_by_name():
+    from zerotrain.initialize import _split_tensor_parallel
+    cfg = load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3},
+                       "tensor_parallel": {"autotp_size": 2}}, world_size=2)
+    with pytest.raises(ConfigError, match="stage 3"):
+        _split_tensor_parallel(_llama(), cfg, None, None, None)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_a_layer_of_one_rank_computes_the_whole_linear(kind, transposed):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 4)
+    weight = linear.weight.detach().clone()
+    layer = TensorParallelLinear(kind=kind, weight=weight.t().contiguous() if transposed
+                                 else weight, bias=linear.bias.detach().clone(),
+                                 transposed=transposed, comm=SimpleNamespace(world_size=1),
+                                 name="x")
+    x = torch.randn(3, 6)
+    assert torch.allclose(layer(x), linear(x))
+
+
+def test_the_shared_input_of_q_k_v_is_released_when_the_attention_forward_ends():
+    from zerotrain.tp.layers import SharedInput
+    calls = []
+    comm = SimpleNamespace(world_size=2, all_reduce=lambda t, **kw: calls.append(kw["label"]))
+    mesh = SimpleNamespace(tp_size=2, tp_rank=0, tp=comm)
+    model = _llama()
+    parallelize(model, mesh, _tp_config())
+    ids = torch.randint(0, 32, (1, 4))
+    model(input_ids=ids, labels=ids).loss.backward()
+    shared = {id(m.shared_input): m.shared_input for m in model.modules()
+              if getattr(m, "kind", None) == "column"}
+    assert len(shared) == 2 and all(isinstance(s, SharedInput) for s in shared.values())
+    assert all(s._seen is None for s in shared.values())   # nothing held after forward
+    # one forward all-reduce (o, down) and one backward (q/k/v, gate/up) per module
+    assert sorted(calls) == sorted(
+        ["tensor parallel forward model.layers.0.self_attn.o_proj",
+         "tensor parallel forward model.layers.0.mlp.down_proj",
+         "tensor parallel backward model.layers.0.self_attn input",
+         "tensor parallel backward model.layers.0.mlp input"])

@@ -14,6 +14,7 @@ from .errors import ConfigError, NonFiniteGradientError, RankMismatchError, Zero
 from .initialize import add_config_arguments, initialize
 from .log import setup_logger
 from .memory import see_memory_usage
+from .tp import tp_model_init
 from .utils import log_dist, logger
 
 __version__ = "0.1.0"
@@ -32,6 +33,6 @@ __all__ = [
     "ConfigError", "DEEPSPEED_VERSION", "DeepSpeedEngine", "NonFiniteGradientError", "RankMismatchError",
     "RepeatingLoader", "ZeroEngine", "ZeroTrainError", "__version__", "accelerator",
     "add_config_arguments", "checkpointing", "comm", "get_accelerator", "init_distributed",
-    "initialize", "log_dist", "logger", "moe", "ops", "pipe", "see_memory_usage", "utils",
-    "zero",
+    "initialize", "log_dist", "logger", "moe", "ops", "pipe", "see_memory_usage",
+    "tp_model_init", "utils", "zero",
 ]

@@ -55,7 +55,7 @@ from .precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
 from .factory import build_stage
-from .tp import TensorParallelPlan, TensorParallelStage, parallelize
+from .tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
 from .zero3.init import unpartition
 from .zero3.partition import full_shape, is_partitioned
 
@@ -120,6 +120,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     comm = Communicator(debug=cfg.debug)
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
     policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
+    check_recorded(model, cfg.tensor_parallel.size, policy.param_dtype)   # tp_model_init
     _check_sections(cfg, optimizer, lr_scheduler)
     if optimizer is not None:
         check_client_optimizer(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)

@@ -164,6 +164,8 @@ class HostLaunches:
         self.comm, self.check = comm, check
         self._held: list[_HeldReduction] = []
         self._failed: Optional[RankDivergenceError] = None
+        # per dtype: this rank's header and every rank's, reused (the gather is synchronous)
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        async_op: bool = False, label: str = ""):
@@ -186,9 +188,8 @@ class HostLaunches:
             return
         header = self.check.next_header(unit_index, len(self._held))
         h = header_numel(dtype)
-        flat = torch.zeros(h, dtype=dtype)
+        flat, rows = self._buffers_of(dtype, h)
         _write_header(flat, h, header)
-        rows = torch.empty(self.comm.world_size, h, dtype=dtype)
         self.comm.all_gather(rows.view(-1), flat, label=f"{label or 'held reductions'} "
                              "(check)", carried=h)
         try:
@@ -199,6 +200,14 @@ class HostLaunches:
         held, self._held = self._held, []
         for reduction in held:
             reduction.launch()
+
+
+    def _buffers_of(self, dtype: torch.dtype, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buffers = self._buffers.get(dtype)
+        if buffers is None:
+            buffers = self._buffers[dtype] = (
+                torch.zeros(h, dtype=dtype), torch.empty(self.comm.world_size, h, dtype=dtype))
+        return buffers
 
 
 class _HeldReduction:

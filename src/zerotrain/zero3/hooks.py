@@ -45,10 +45,9 @@ Note: trace and prefetch
     while every rank records the same trace: each use is noted in the step's collective
     trail (Note "step fingerprint" in ``comm/trail.py``), so a rank that skipped a unit
     (whose gathers prefetch may have made anyway) is caught at that step, before its
-    trace makes its next step's decisions differ. A forward
-    without grad (evaluation) prefetches only within the trace's forward part: no backward
-    follows to use the rest, and a unit gathered for it would hold its memory until the
-    next pass.
+    trace makes its next step's decisions differ. A forward without grad (evaluation)
+    prefetches only within the trace's forward part: no backward follows to use the rest,
+    and a unit gathered for it would hold its memory until the next pass.
 
     After its forward, a unit that the trace says is used again within
     ``max_reuse_distance`` elements of other gathers (typically the last blocks, whose

@@ -44,6 +44,14 @@ def main() -> None:
             caught = all(name == "RankDivergenceError" for _, name, _ in results)
             failures += not caught
             print(f"world {world} {case}: {'caught on every rank' if caught else results}")
+        for kind in T.TRACED:   # at stage 3 once a trace exists, with a short comms_timeout
+            results = run_world(T._inject, world, 3, kind, bad_step=1,
+                                comms_timeout=T.SHORT_TIMEOUT_S, timeout=600)
+            caught = all(name == "RankDivergenceError" and step == 1
+                         for step, name, _ in results)
+            failures += not caught
+            print(f"world {world} (3, {kind!r}) after the trace: "
+                  f"{'caught on every rank' if caught else results}")
     sys.exit(1 if failures else 0)
 
 

@@ -1,7 +1,9 @@
 """An ordinary Hugging Face causal-LM Trainer script, as ``run_clm.py`` is written.
 
 Nothing here knows of zerotrain: ``--deepspeed ds_config.json`` goes to ``TrainingArguments``.
-A tiny GPT-2 is built from its config (no downloads); the data is a fixed stand-in corpus.
+A tiny GPT-2 (or, with ``--model mixtral``, a tiny Mixtral: a mixture of experts whose
+tokens route differently on each rank) is built from its config (no downloads); the data
+is a fixed stand-in corpus.
 After training it saves the model with ``save_model`` (the caller reloads it).
 Writes ``{"losses", "eval_loss", "train_loss"}`` to ``--out`` on rank 0.
 """
@@ -9,13 +11,14 @@ import dataclasses
 import json
 
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, HfArgumentParser, Trainer,
-                          TrainingArguments, set_seed)
+from transformers import (AutoModelForCausalLM, GPT2Config, HfArgumentParser, MixtralConfig,
+                          Trainer, TrainingArguments, set_seed)
 
 
 @dataclasses.dataclass
 class ScriptArguments:
     out: str = ""
+    model: str = "gpt2"
 
 
 class StandInData(torch.utils.data.Dataset):
@@ -36,7 +39,13 @@ def main() -> None:
     parser = HfArgumentParser((ScriptArguments, TrainingArguments))
     script_args, args = parser.parse_args_into_dataclasses()
     set_seed(args.seed)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    if script_args.model == "mixtral":
+        config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24,
+                               num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, num_local_experts=4,
+                               num_experts_per_tok=1, max_position_embeddings=32)
+    else:
+        config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     model = AutoModelForCausalLM.from_config(config)   # ZeRO-3: built under zero.Init
     trainer = Trainer(model=model, args=args, train_dataset=StandInData(),
                       eval_dataset=StandInData(n=8, seed=1))
@@ -47,7 +56,9 @@ def main() -> None:
     if args.process_index == 0 and script_args.out:
         with open(script_args.out, "w") as f:
             json.dump({"losses": losses, "eval_loss": eval_loss, "train_loss":
-                       result.training_loss}, f)
+                       result.training_loss, "leaves": sorted(
+                           {type(m).__name__ for m in model.modules()
+                            if getattr(m, "_z3_leaf", False)})}, f)   # DeepSpeed's flag
 
 
 if __name__ == "__main__":

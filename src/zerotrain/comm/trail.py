@@ -1,14 +1,15 @@
 """The collective trail: what this rank did since the last optimizer step, as a fingerprint.
 
 Note: step fingerprint
-    Every collective a :class:`~zerotrain.comm.Communicator` launches, and every training
-    forward of the engine, is noted here as (operation, elements, purpose) and folded into
-    a running CRC-32. At each optimizer step the scalar all-reduce that already happens
-    (the gradient norm) carries the fingerprint too: its eight 4-bit digits ``d`` and their
-    squares, summed over ranks. Every rank then knows whether all fingerprints agree,
-    without another collective: ``world * sum(d^2) == sum(d)^2`` for every digit exactly when
-    every rank's digit is the same (equality in Cauchy-Schwarz), and the sums are small
-    integers, exact in float32 up to a million ranks. A rank that skipped or added a
+    Every collective a :class:`~zerotrain.comm.Communicator` launches, every training
+    forward of the engine, and every use of a stage-3 unit, is noted here as (operation,
+    elements, purpose) and folded into a running CRC-32. At each optimizer step the scalar
+    all-reduce that already happens (the gradient norm) carries the fingerprint too: its
+    eight 4-bit digits ``d`` and their squares, summed over ranks. Every rank then knows
+    whether all fingerprints agree, without another collective:
+    ``world * sum(d^2) == sum(d)^2`` for every digit exactly when every rank's digit is the
+    same (equality in Cauchy-Schwarz), and the sums are small integers, exact in float32 up
+    to a million ranks. A rank that skipped or added a
     collective anywhere in the step (an extra forward, an exception caught in the middle of
     backward, a module skipped) is caught at that step on every rank; only then do the
     ranks exchange their trails (one ``all_gather_object``) so that the error shows the
@@ -84,5 +85,7 @@ def _describe(entry: Optional[tuple]) -> str:
     if entry is None:
         return "nothing (its step ended here)"
     op, numel, label = entry
+    if op == "use":   # a stage-3 unit used in forward or backward (zero3/hooks.py)
+        return f"use of {label}"
     size = "" if numel is None else f" of {numel} elements"
     return f"{op}{size}" + (f" for {label}" if label else "")

@@ -21,6 +21,23 @@ Note: gather check
     units usually are, so nothing of a unit may launch before the ranks agree on it. That
     is one more small launch and a round trip per unit on the host (docs/BENCHMARKS.md).
     qwZ's int8 gathers carry no header.
+
+Note: held reductions
+    On the host a gather is not the only collective that can meet another rank's
+    different one: once a trace exists, prefetch and reuse leave a rank's backward starting
+    with a gradient reduce-scatter, which an extra forward (or a skipped module) on another
+    rank meets with a gather. Gloo pairs neither (a different operation waits out
+    ``comms_timeout``), and no payload can say what it is. So on the host every stage-3
+    collective of forward, backward and step starts with the same 16-byte header: the
+    plain gradient reduce-scatters (:class:`HostLaunches`, the stage's ``reduce_scatter``)
+    are held, not launched, until the next header goes out (the next unit gather, or the
+    first wait on one of them, or the step), which names them too (how many; the unit it
+    goes out with, if any), and are launched once the ranks agree. The step's gradient
+    norm all-reduce gets a header of its own. The first collective in which ranks differ
+    is then always a header, and every rank raises there. Holding a reduction costs no
+    overlap: it goes out at the next unit's gather, which in backward follows right after.
+    A header per step and per backward's held tail are the only ones added to the unit
+    gathers'. MiCS's and qgZ's reductions (``hierarchy.py``) go out as before, unheld.
 """
 from __future__ import annotations
 
@@ -33,6 +50,8 @@ from ..errors import RankDivergenceError
 
 HEADER_BYTES = 16
 MAGIC = 0x5A543347   # 'ZT3G'
+NO_UNIT = -1         # a header that goes out with no unit gather (held reductions only)
+STEP = -2            # the header of an optimizer step
 
 
 class GatherCheck:
@@ -54,8 +73,12 @@ class GatherCheck:
         self.forward_pass += 1
         self.sequence = 0
 
-    def next_header(self, unit_index: int) -> list[int]:
-        header = [MAGIC, unit_index, self.forward_pass, self.sequence]
+    def next_header(self, unit_index: int, reductions: int = 0) -> list[int]:
+        """The header of this rank's next launch: ``unit_index`` (or NO_UNIT, STEP) and the
+        ``reductions`` held until it (Note: held reductions), in the low and high half of
+        the last word."""
+        header = [MAGIC, unit_index, self.forward_pass,
+                  (self.sequence & 0xFFFF) | (min(reductions, 0x7FFF) << 16)]
         self.sequence += 1
         return header
 
@@ -73,9 +96,18 @@ class GatherCheck:
         def where(row: list[int]) -> str:
             if row[0] != MAGIC:
                 return "not a unit gather (a different collective paired with it)"
-            return (f"{self._describe(row[1])}, gather {row[3]} of forward pass {row[2]}")
+            unit, passes, launch, held = row[1], row[2], row[3] & 0xFFFF, row[3] >> 16
+            reduced = (f"{held} gradient reduce-scatter{'s' if held != 1 else ''}"
+                       if held else "")
+            if unit == STEP:
+                what = "the optimizer step" + (f" after {reduced}" if held else "")
+                return f"{what}, after forward pass {passes}"
+            if unit == NO_UNIT:
+                return f"{reduced} in the backward of forward pass {passes} (launch {launch})"
+            after = f" after {reduced}" if held else ""
+            return f"{self._describe(unit)}{after}, gather {launch} of forward pass {passes}"
         lines = "; ".join(f"rank {r}: {where(row)}" for r, row in enumerate(rows))
-        return (f"rank {rank}: stage 3: ranks are gathering different units ({lines}). "
+        return (f"rank {rank}: stage 3: ranks are launching different collectives ({lines}). "
                 "The ranks took different paths through the model: routing that depends "
                 "on the data (experts that are units of their own), a module run on some "
                 "ranks only, or a forward on one rank only. Declare the block that routes "
@@ -127,22 +159,100 @@ class CheckedGathering:
         self._keep = None
 
 
+class HostLaunches:
+    """The host's checked launches over one group (Note: held reductions): the headers,
+    and the gradient reduce-scatters held until the next one."""
+
+    def __init__(self, comm: Communicator, check: GatherCheck) -> None:
+        self.comm, self.check = comm, check
+        self._held: list[_HeldReduction] = []
+        self._failed: Optional[RankDivergenceError] = None
+        # per dtype: this rank's header and every rank's, reused (the gather is synchronous)
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
+                       async_op: bool = False, label: str = ""):
+        """``Communicator.reduce_scatter``, held until the next header goes out."""
+        held = _HeldReduction(self, output, input, label)
+        self._held.append(held)
+        if async_op:
+            return held
+        held.wait()
+        return None
+
+    def agree(self, unit_index: int, *, dtype: torch.dtype = torch.float32,
+              label: str = "") -> None:
+        """Exchange this rank's header (``unit_index``: the unit gathered next, NO_UNIT or
+        STEP; the held reductions) and raise on every rank if any differs; then launch the
+        held reductions. Nothing to say (no unit, nothing held) exchanges nothing."""
+        if self._failed is not None:   # the ranks are apart: no collective pairs any more
+            raise self._failed
+        if unit_index == NO_UNIT and not self._held:
+            return
+        header = self.check.next_header(unit_index, len(self._held))
+        h = header_numel(dtype)
+        flat, rows = self._buffers_of(dtype, h)
+        _write_header(flat, h, header)
+        self.comm.all_gather(rows.view(-1), flat, label=f"{label or 'held reductions'} "
+                             "(check)", carried=h)
+        try:
+            self.check.verify(_read_headers(rows, h), header, self.comm.rank)
+        except RankDivergenceError as exc:
+            self._failed = exc
+            raise
+        held, self._held = self._held, []
+        for reduction in held:
+            reduction.launch()
+
+
+    def _buffers_of(self, dtype: torch.dtype, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buffers = self._buffers.get(dtype)
+        if buffers is None:
+            buffers = self._buffers[dtype] = (
+                torch.zeros(h, dtype=dtype), torch.empty(self.comm.world_size, h, dtype=dtype))
+        return buffers
+
+
+class _HeldReduction:
+    """A gradient reduce-scatter held until the next header (Note: held reductions);
+    ``wait()`` sends that header first if it has not gone out yet."""
+
+    __slots__ = ("_owner", "_args", "_work")
+
+    def __init__(self, owner: HostLaunches, output: torch.Tensor, input: torch.Tensor,
+                 label: str) -> None:
+        self._owner, self._args, self._work = owner, (output, input, label), None
+
+    def launch(self) -> None:
+        output, input, label = self._args
+        self._work = self._owner.comm.reduce_scatter(output, input, async_op=True,
+                                                     label=label)
+        self._args = None
+
+    def wait(self, *args, **kwargs):
+        if self._work is None:
+            self._owner.agree(NO_UNIT)
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self._work is not None and self._work.is_completed()
+
+
 def start_checked(comm: Communicator, check: GatherCheck, unit_index: int,
                   shard: torch.Tensor, outputs: Sequence[torch.Tensor],
-                  inputs: Sequence[torch.Tensor], *, label: str) -> list:
+                  inputs: Sequence[torch.Tensor], *, label: str,
+                  host: Optional[HostLaunches] = None) -> list:
     """Launch a unit's gathers of ``inputs`` (views of ``shard``) into ``outputs`` with the
-    header (Note: gather check); returns the gatherings in launch order."""
+    header (Note: gather check); ``host`` is the group's :class:`HostLaunches` (the header
+    goes out through it on the host). Returns the gatherings in launch order."""
     if not outputs:
         return []
+    if not comm.gathers_flat(shard.device):   # host: the header alone, checked first
+        host = host or HostLaunches(comm, check)
+        host.agree(unit_index, dtype=shard.dtype, label=label)
+        return [comm.all_gather_into_many(outputs, inputs, label=label)]
     header = check.next_header(unit_index)
     h = header_numel(shard.dtype)
-    if not comm.gathers_flat(shard.device):   # host: the header alone, checked first
-        flat = torch.empty(h, dtype=shard.dtype, device=shard.device)
-        _write_header(flat, h, header)
-        rows = torch.empty(comm.world_size, h, dtype=flat.dtype, device=flat.device)
-        comm.all_gather(rows.view(-1), flat, label=f"{label} (check)", carried=h)
-        check.verify(_read_headers(rows, h), header, comm.rank)
-        return [comm.all_gather_into_many(outputs, inputs, label=label)]
     base = shard.storage_offset()   # device: one flat gather, every piece after the header
     carried = [(i.storage_offset() - base, i.numel(), o) for i, o in zip(inputs, outputs)]
     numel = max(c + n for c, n, _ in carried)

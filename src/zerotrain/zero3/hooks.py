@@ -41,10 +41,13 @@ Note: trace and prefetch
     ``prefetch_numel`` elements and within ``max_live_numel``. When the order differs (data
     dependent control flow), prefetching stops for the rest of the pass and the new order
     is recorded: results never depend on the trace, only the overlap does. Every rank takes
-    the same decisions, so the collectives stay in the same order everywhere. A forward
-    without grad (evaluation) prefetches only within the trace's forward part: no backward
-    follows to use the rest, and a unit gathered for it would hold its memory until the
-    next pass.
+    the same decisions, so the collectives stay in the same order everywhere. That holds
+    while every rank records the same trace: each use is noted in the step's collective
+    trail (Note "step fingerprint" in ``comm/trail.py``), so a rank that skipped a unit
+    (whose gathers prefetch may have made anyway) is caught at that step, before its
+    trace makes its next step's decisions differ. A forward without grad (evaluation)
+    prefetches only within the trace's forward part: no backward follows to use the rest,
+    and a unit gathered for it would hold its memory until the next pass.
 
     After its forward, a unit that the trace says is used again within
     ``max_reuse_distance`` elements of other gathers (typically the last blocks, whose
@@ -80,10 +83,13 @@ class GatherPolicy:
 
 class UnitScheduler:
     def __init__(self, units: list[Unit], policy: GatherPolicy,
-                 on_pass: Optional[Callable[[], None]] = None) -> None:
+                 on_pass: Optional[Callable[[], None]] = None,
+                 on_use: Optional[Callable[[int, bool], None]] = None) -> None:
         self.units = units
         self.policy = policy
         self._on_pass = on_pass   # told when a pass starts (the gather check counts them)
+        # told of every use (unit, in backward): the step fingerprint covers the trace
+        self._on_use = on_use
         self._trace: Optional[list[int]] = None
         self._recording: list[int] = []
         self._trace_forward = 0       # how many of the trace's entries are its forward's
@@ -248,6 +254,8 @@ class UnitScheduler:
             self._recording_forward = None
             self._trace, self._following = None, False
         self._recording.append(index)
+        if self._on_use is not None:
+            self._on_use(index, self._in_backward)
         if not self._following:
             return
         trace = self._trace

@@ -35,6 +35,7 @@ from ..offload import Storage
 from ..precision import PrecisionPolicy
 from ..stages.base import FROZEN, BucketedStage, CompileTarget, ShardRecord
 from . import partition as P
+from .gather_check import STEP
 from .hierarchical import build_groups
 from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
@@ -102,17 +103,25 @@ class PartitionedDataParallel(BucketedStage):
             k for k, place in enumerate(self._record_storage) if place is not storage])
         self.storage = storage
         self.param_storage = param_storage
+        # on the host, plain reductions wait for the next header (Note "held reductions"
+        # in gather_check.py)
+        self._host_checked = comm.world_size > 1 and not comm.gathers_flat(device)
+        reduce_scatter = groups3.reduce_scatter
+        if reduce_scatter is None and self._host_checked:
+            reduce_scatter = self.wire.host.reduce_scatter
         self.buckets = ReduceScatterEveryMicroStep(
             [s.layout for _, s in self._records], comm, accum_dtype=policy.grad_accum_dtype,
             device=device, overlap=bool(zero_config.overlap_comm),
-            comm_dtype=policy.reduce_dtype, reduce_scatter=groups3.reduce_scatter)
+            comm_dtype=policy.reduce_dtype, reduce_scatter=reduce_scatter)
         self.watch_buckets()
         self.scheduler = UnitScheduler(self.units, GatherPolicy(
             prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
             max_live_numel=int(zero_config.stage3_max_live_parameters),
             max_reuse_distance=int(zero_config.stage3_max_reuse_distance)),
-            on_pass=self.wire.check.begin_pass)
+            on_pass=self.wire.check.begin_pass, on_use=self._note_use)
         self.wire.check.describe_units_with(self._describe_unit)
+        self._uses = [(f"{self._describe_unit(i)} in forward",
+                       f"{self._describe_unit(i)} in backward") for i in range(len(self.units))]
         self._handles = install_module_hooks(module, self.units, self.scheduler)
         _mark_lockstep(module, True)
         self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))
@@ -129,6 +138,10 @@ class PartitionedDataParallel(BucketedStage):
         kind = "leaf module" if spec.leaf else "module"
         return f"unit {index} ({kind} {spec.name or '<root>'!r}, {type(spec.module).__name__})"
 
+    def _note_use(self, index: int, backward: bool) -> None:
+        """A unit is used (Note "trace and prefetch" in hooks.py): into the step's trail."""
+        self.comm.ledger.trail.note("use", None, self._uses[index][backward])
+
     def _on_grad(self, record: int, index: int, unit: Unit, param: nn.Parameter) -> None:
         if param.grad is None:
             return
@@ -142,6 +155,14 @@ class PartitionedDataParallel(BucketedStage):
     def finish_backward(self) -> None:
         super().finish_backward()
         self.scheduler.end_backward()
+
+    def step(self, *, grad_scale: float, clip: float):
+        """Stage 2's step; on the host its all-reduce goes out after a header, as every
+        stage-3 collective does (Note "held reductions" in gather_check.py)."""
+        self.buckets.collect()
+        if self._host_checked:
+            self.wire.host.agree(STEP, label="optimizer step")
+        return super().step(grad_scale=grad_scale, clip=clip)
 
     def close(self) -> None:
         """Settle and release offload resources, then hand the module back partitioned, as

@@ -43,7 +43,7 @@ import torch
 from ..comm import Communicator
 from ..flat import FlatLayout
 from ..hierarchy import PendingGather, QuantizedAllGather
-from .gather_check import GatherCheck, start_checked
+from .gather_check import GatherCheck, HostLaunches, start_checked
 
 NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one launch
 
@@ -152,6 +152,7 @@ class UnitWire:
         self.comm = comm
         self._quantized = QuantizedAllGather(comm) if quantized else None
         self.check = GatherCheck(enabled=comm.carries_data)   # Note "gather check" there
+        self.host = HostLaunches(comm, self.check)   # Note "held reductions" there
 
     def padded_numel(self, numel: int) -> int:
         """Elements of a parameter's segment of ``full``: room for every gather this wire
@@ -172,7 +173,7 @@ class UnitWire:
                     outputs, inputs = gather_pieces(unit.slices, unit.segments, shard,
                                                     self.comm.world_size)
                     parts.extend(start_checked(self.comm, self.check, unit.spec.index, shard,
-                                               outputs, inputs, label=label))
+                                               outputs, inputs, label=label, host=self.host))
         return self._with_frozen(parts, unit, label)
 
     def _with_frozen(self, parts: list, unit, label: str) -> Gatherings:
@@ -219,6 +220,7 @@ class SecondaryPartitionWire(UnitWire):
                  quantized: bool = False) -> None:
         super().__init__(comm, quantized=quantized)
         self.secondary = secondary
+        self._secondary_host = HostLaunches(secondary, self.check)
         self._units: dict[int, _Secondary] = {}
 
     def padded_numel(self, numel: int) -> int:
@@ -232,7 +234,8 @@ class SecondaryPartitionWire(UnitWire):
         outputs, inputs = gather_pieces(kept.slices, unit.segments, kept.shard,
                                         self.secondary.world_size)
         parts = start_checked(self.secondary, self.check, unit.spec.index, kept.shard,
-                              outputs, inputs, label=f"{label} (hpZ)")
+                              outputs, inputs, label=f"{label} (hpZ)",
+                              host=self._secondary_host)
         return self._with_frozen(parts, unit, label)   # int8 frozen: primary partition
 
     def gathered(self, unit, views: Sequence[torch.Tensor]) -> None:

@@ -81,6 +81,9 @@ def _everything(engine) -> dict:
         state[f"group.{g}"] = torch.tensor([float(v) for k, v in sorted(group.items())
                                             if isinstance(v, (int, float))])
     state["scale"] = torch.tensor(float(engine.loss_scale))
+    if engine.training_dataloader is not None:
+        state["data"] = torch.tensor([v for _, v in sorted(
+            engine.training_dataloader.state_dict().items())])
     return state
 
 
@@ -155,8 +158,15 @@ def test_hostile_deepspeed_state_is_refused_at_staging_and_auto_resume_falls_bac
 
 
 # --------------------------------------------------------------------------- zerotrain format
-SCALER_CASES = {"min_scale": 1e30, "scale_factor": 0.5, "loss_scale": math.nan,
-                "scale_window": 0}
+# manifest edits: case -> (section, key, value); each is refused naming ``section[key]``
+STATE_CASES = {"min_scale": ("loss_scaler", "min_scale", 1e30),
+               "scale_factor": ("loss_scaler", "scale_factor", 0.5),
+               "scale_window": ("loss_scaler", "scale_window", 0),
+               "loss_scale_nan": ("loss_scaler", "loss_scale", math.nan),
+               "loss_scale_zero": ("loss_scaler", "loss_scale", 0.0),
+               "loss_scale_negative": ("loss_scaler", "loss_scale", -8.0),
+               "loss_scale_inf": ("loss_scaler", "loss_scale", math.inf),
+               "consumed_negative": ("data_loader", "batches_consumed", -3)}
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                            "warmup_num_steps": 4, "warmup_type": "linear"}}
 
@@ -178,21 +188,25 @@ def _zerotrain_job(rank, world, root):
     import zerotrain
     from zerotrain.checkpoint import CheckpointError, fs
 
+    data = [R.micro_batch(i, 0, 0, size=1) for i in range(16)]   # its position is saved
+    data = [(x[0], y[0]) for x, y in data]
+
     def build():
         model = R.make_model(0)
         cfg = R.engine_config(stage=2, precision="fp16", scheduler=SCHEDULE)
-        return zerotrain.initialize(model=model, config=cfg)[0]
+        return zerotrain.initialize(model=model, config=cfg, training_data=data)[0]
 
     engine = build()
+    batches = iter(engine.training_dataloader)
     for step in range(2):
-        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        engine.backward(engine(*next(batches)))
         engine.step()
         engine.save_checkpoint(root, tag=f"step{step + 1}")
     cases = {}
     if rank == 0:
-        for key, value in SCALER_CASES.items():
-            cases[key] = _edited(root, "step2", f"scaler_{key}",
-                                 lambda m, k=key, v=value: m["loss_scaler"].update({k: v}))
+        for name, (section, key, value) in STATE_CASES.items():
+            cases[name] = _edited(root, "step2", f"state_{name}",
+                                  lambda m, s=section, k=key, v=value: m[s].update({k: v}))
         cases["scheduler_empty"] = _edited(root, "step2", "sched",
                                            lambda m: m.update(lr_scheduler={}))
         cases["steps_huge"] = _edited(root, "step2", "huge",
@@ -238,10 +252,11 @@ def _zerotrain_job(rank, world, root):
 def test_hostile_zerotrain_state_is_refused_and_every_rank_loads_one_save(worlds, tmp_path):
     results = worlds.run(2, _zerotrain_job, str(tmp_path / "ckpt"))
     for rank, res in enumerate(results):
-        for key in SCALER_CASES:
-            error, unchanged = res[key]
-            assert error is not None and f"loss_scaler[{key!r}]" in error, (rank, key, error)
-            assert unchanged, (rank, key)
+        for name, (section, key, _) in STATE_CASES.items():
+            error, unchanged = res[name]   # the field and the tag's file are named
+            assert error is not None and f"{section}[{key!r}]" in error, (rank, name, error)
+            assert os.path.join(str(tmp_path / "ckpt"), f"state_{name}") in error, error
+            assert unchanged, (rank, name)
         assert res["scheduler_empty"][0] is not None and "lr_scheduler lacks" in \
             res["scheduler_empty"][0] and res["scheduler_empty"][1]
         assert res["steps_huge"][0] is not None and "global_steps" in res["steps_huge"][0]

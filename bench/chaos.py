@@ -167,7 +167,10 @@ def worker(args: argparse.Namespace) -> None:
             _event(args.events, event="step", step=done, digest=_digest(engine))
         if done % SAVE_EVERY:
             continue
-        at_save = due and fault["kind"] in SAVE_KINDS
+        # a tag is damaged only while an older one exists (global_step2 is never damaged):
+        # with none, auto-resume rightly refuses to start over
+        at_save = due and fault["kind"] in SAVE_KINDS and (
+            fault["kind"] not in DAMAGE_KINDS or done > SAVE_EVERY)
         kind = fault["kind"] if at_save else None
         if kind == "crash_save":
             if mine:

@@ -11,16 +11,11 @@ import sys
 import pytest
 import torch
 
+import ds_fixture as F
 import reference as R
+from ds_fixture import M, MODEL, OPTIMS, TAG
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))
-import make_deepspeed_ckpts as M  # noqa: E402
-
-FIXTURES = M.DEFAULT_OUT
-TAG = f"global_step{M.BEFORE}"
-OPTIMS = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
-MODEL = "mp_rank_00_model_states.pt"
 
 # DeepSpeed files: (name, edit of the optimizer groups or the model file, words the error names)
 DEEPSPEED_CASES = {
@@ -41,7 +36,7 @@ def _deepspeed_copies(base, monkeypatch) -> dict[str, str]:
 
     from zerotrain.checkpoint.deepspeed import load_file
     fake = _FakeDeepSpeed(monkeypatch)
-    source = os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint")
+    source = F.SAVE_DIR
     roots = {}
     for name, (kind, edit, _) in DEEPSPEED_CASES.items():
         root = base / name
@@ -68,48 +63,12 @@ def _deepspeed_copies(base, monkeypatch) -> dict[str, str]:
     return roots
 
 
-def _everything(engine) -> dict:
-    """Everything a load writes: parameters, masters, Adam state, counters, hyperparameters."""
-    state = {f"param.{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
-    for i, (master, values) in enumerate(engine.optimizer.state.items()):
-        state[f"master.{i}"] = master.detach().clone()
-        for key, value in values.items():
-            state[f"optim.{i}.{key}"] = torch.as_tensor(value).detach().clone()
-    state["counters"] = torch.tensor([engine.global_steps, engine.global_samples,
-                                      engine.skipped_steps])
-    for g, group in enumerate(engine.optimizer.param_groups):
-        state[f"group.{g}"] = torch.tensor([float(v) for k, v in sorted(group.items())
-                                            if isinstance(v, (int, float))])
-    state["scale"] = torch.tensor(float(engine.loss_scale))
-    if engine.training_dataloader is not None:
-        state["data"] = torch.tensor([v for _, v in sorted(
-            engine.training_dataloader.state_dict().items())])
-    return state
-
-
-def _same(a: dict, b: dict) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _deepspeed_job(rank, world, roots):
-    import zerotrain
     from zerotrain.checkpoint import CheckpointError
 
-    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
-        config = json.load(f)["config"]
-
-    def build(**extra):
-        model = M.make_model(seed=1)
-        engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
-                                          config=dict(config, **extra))
-        return engine
-
-    engine = build()
-    x, y = M.micro_batch(0, rank, 0, world=world, gas=1,
-                         size=config["train_micro_batch_size_per_gpu"])
-    engine.backward(engine(x, y))
-    engine.step()
-    before = _everything(engine)
+    engine = F.build()
+    F.first_step(engine, rank, world)
+    before = F.snapshot(engine)
     out = {}
     for name in DEEPSPEED_CASES:
         try:
@@ -119,7 +78,7 @@ def _deepspeed_job(rank, world, roots):
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - a raw error is what the test refuses
             error = f"raw {type(exc).__name__}: {exc}"
-        out[name] = (error, _same(before, _everything(engine)))
+        out[name] = (error, F.same(before, F.snapshot(engine)))
     engine.close()
     listdir = os.listdir
 
@@ -130,7 +89,7 @@ def _deepspeed_job(rank, world, roots):
 
     os.listdir = unreadable
     try:
-        resumed = build(checkpoint={"auto_resume": roots["fallback"]})
+        resumed = F.build(checkpoint={"auto_resume": roots["fallback"]})
         out["fallback"] = (resumed.global_steps, resumed.get_lr()[0])
         resumed.close()
     except Exception as exc:  # noqa: BLE001
@@ -214,14 +173,14 @@ def _zerotrain_job(rank, world, root):
     box = [cases if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     cases = box[0]
-    before = _everything(engine)
+    before = F.snapshot(engine)
     out = {}
     for what, tag in cases.items():
         try:
             engine.load_checkpoint(root, tag=tag)
-            out[what] = (None, _same(before, _everything(engine)))
+            out[what] = (None, F.same(before, F.snapshot(engine)))
         except CheckpointError as exc:
-            out[what] = (str(exc), _same(before, _everything(engine)))
+            out[what] = (str(exc), F.same(before, F.snapshot(engine)))
     # ``latest`` read at different times: rank 1 would see the older tag
     fresh = build()
     original = fs.read_latest_text

@@ -18,7 +18,7 @@ def worlds():
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_left_in_the_test_process():
+def _no_process_group_left_in_the_test_process(request):
     """Tests run their ranks in other processes; a default process group left in this one
     (by a test that initialised in-process) would make later tests see a world they did not
     make. It is destroyed after the test that left it, with a warning naming that test."""
@@ -28,4 +28,5 @@ def _no_process_group_left_in_the_test_process():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        warnings.warn("a test left a default process group in the test process; destroyed")
+        warnings.warn(f"{request.node.nodeid} left a default process group in the test "
+                      "process (destroyed after it); destroy it where it is made")

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 240
 _POLL_S = 1.0          # how often the pool checks that every rank is still alive
 _STACK_DUMP_WAIT_S = 3.0
+_CLOSE_WAIT_S = 5.0    # how long closing waits for ranks to exit before killing them
 
 
 def _watch_faults() -> None:
@@ -221,13 +222,20 @@ class WorldPool:
                                f"the pool was shut down)")
 
     def close(self) -> None:
+        self._ask_to_stop()
+        self._reap(time.monotonic() + _CLOSE_WAIT_S)
+
+    def _ask_to_stop(self) -> None:
         for q in self._tasks:
             try:
                 q.put(None)
             except (ValueError, OSError):
                 pass
+
+    def _reap(self, deadline: float) -> None:
+        """Wait for the ranks until ``deadline``, then kill those still exiting."""
         for p in self._procs:
-            p.join(5)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -247,6 +255,10 @@ class Worlds:
         return pool.run(fn, *args, **kwargs)
 
     def close(self) -> None:
+        """Every pool's ranks exit together (one shared wait, not one per pool in turn)."""
         for pool in self._pools.values():
-            pool.close()
+            pool._ask_to_stop()
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        for pool in self._pools.values():
+            pool._reap(deadline)
         self._pools.clear()

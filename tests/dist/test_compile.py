@@ -257,20 +257,27 @@ def test_cuda_graphs_are_refused_at_stage_3_only():
     """CUDA graphs replay on recorded addresses; stage 3 re-gathers parameters into storage
     that moves, so every way of asking for them is refused there, naming the setting,
     and the engine stays uncompiled (Note: no CUDA graphs at stage 3)."""
+    import torch.distributed as dist
+
     import zerotrain
     from zerotrain.compile import Compilation, CompileSettings
     from zerotrain.errors import ConfigError
-    engine, *_ = zerotrain.initialize(model=Net(), config=_config(3))
     asks = [({"mode": "reduce-overhead"}, r"compile\.mode: 'reduce-overhead'"),
             ({"mode": "max-autotune"}, r"compile\.mode: 'max-autotune'"),
             ({"compile_kwargs": {"mode": "reduce-overhead"}}, r"compile\.mode"),
             ({"backend": "cudagraphs"}, r"compile\.backend: 'cudagraphs'"),
             ({"options": {"triton.cudagraphs": True}}, r"compile\.options")]
-    for kwargs, match in asks:
-        with pytest.raises(ConfigError, match=match + r".*CUDA graphs.*stage 3"):
-            engine.compile(**kwargs)
-        assert not engine.is_compiled and engine.compiled_modules == [], kwargs
-    engine.close()
+    assert not dist.is_initialized()
+    try:   # initialize makes a world of one in the test process: destroyed here
+        engine, *_ = zerotrain.initialize(model=Net(), config=_config(3))
+        for kwargs, match in asks:
+            with pytest.raises(ConfigError, match=match + r".*CUDA graphs.*stage 3"):
+                engine.compile(**kwargs)
+            assert not engine.is_compiled and engine.compiled_modules == [], kwargs
+        engine.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     for stage in (0, 1, 2):
         Compilation([], CompileSettings(mode="reduce-overhead"), stage=stage)   # allowed
     Compilation([], CompileSettings(mode="max-autotune-no-cudagraphs"), stage=3)

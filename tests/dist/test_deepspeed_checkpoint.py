@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures"))
+import ds_fixture as F  # noqa: E402
 import make_deepspeed_ckpts as M  # noqa: E402
 
 FIXTURES = M.DEFAULT_OUT
@@ -107,22 +108,14 @@ def test_without_optimizer_state_the_run_does_not_continue_the_same(worlds, tmp_
 
 
 def _auto_resume(rank, world, save_dir):
-    import zerotrain
     from zerotrain.errors import ConfigError
 
-    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
-        config = json.load(f)["config"]
-    model = M.make_model(seed=1)
-    engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
-                                      config=dict(config, checkpoint={"auto_resume": save_dir}))
+    engine = F.build(checkpoint={"auto_resume": save_dir})
     weight = engine.module.fc1.weight.detach().clone()
     steps, lr = engine.global_steps, engine.get_lr()[0]
     engine.close()
-    other = M.make_model()
     try:
-        zerotrain.initialize(model=other, model_parameters=M.param_groups(other),
-                             config=dict(config, checkpoint={
-                                 "auto_resume": os.path.join(save_dir, f"global_step{M.BEFORE}")}))
+        F.build(checkpoint={"auto_resume": os.path.join(save_dir, F.TAG)})
     except ConfigError as exc:
         return steps, lr, weight, str(exc)
     return steps, lr, weight, None
@@ -144,8 +137,8 @@ def _damaged_copies(base) -> dict[str, str]:
     ``fallback``: global_step12 (what ``latest`` names) has a truncated optimizer file,
     global_step11 lost rank 1's optimizer file, global_step10 and global_step9 are intact
     (in name order global_step9 would come first). ``none_loads``: both tags damaged."""
-    source = os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint", f"global_step{M.BEFORE}")
-    rank1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    source = os.path.join(F.SAVE_DIR, F.TAG)
+    rank1 = F.OPTIMS[1]
     layouts = {"fallback": (12, {12: "truncate", 11: "remove", 10: None, 9: None}),
                "none_loads": (3, {3: "truncate", 2: "remove"})}
     roots = {}
@@ -164,49 +157,27 @@ def _damaged_copies(base) -> dict[str, str]:
     return roots
 
 
-def _engine_state(engine) -> dict:
-    """Everything a load writes, as plain tensors: parameters, Adam state, counters, lr."""
-    state = {f"param.{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
-    for i, (master, values) in enumerate(engine.optimizer.state.items()):
-        for key, value in values.items():
-            state[f"optim.{i}.{key}"] = torch.as_tensor(value).detach().clone()
-    state["counters"] = torch.tensor([engine.global_steps, engine.global_samples,
-                                      engine.skipped_steps])
-    state["lr"] = torch.tensor(engine.get_lr())
-    return state
-
-
 def _fallback_job(rank, world, roots):
     import logging
 
-    import zerotrain
     from zerotrain.checkpoint import CheckpointError
-
-    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
-        config = json.load(f)["config"]
-
-    def build(**extra):
-        model = M.make_model(seed=1)
-        engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
-                                          config=dict(config, **extra))
-        return engine
 
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append((record.levelname, record.getMessage()))
     logging.getLogger("zerotrain").addHandler(handler)
     try:
-        resumed = build(checkpoint={"auto_resume": roots["fallback"]})
+        resumed = F.build(checkpoint={"auto_resume": roots["fallback"]})
     finally:
         logging.getLogger("zerotrain").removeHandler(handler)
-    direct = build()
+    direct = F.build()
     direct.load_checkpoint(roots["fallback"], tag="global_step10")
-    ours, theirs = _engine_state(resumed), _engine_state(direct)
-    same = sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    ours, theirs = F.snapshot(resumed), F.snapshot(direct)
+    same = F.same(ours, theirs)
     resumed.close()
     direct.close()
     try:
-        build(checkpoint={"auto_resume": roots["none_loads"]})
+        F.build(checkpoint={"auto_resume": roots["none_loads"]})
         refusal = None
     except CheckpointError as exc:
         refusal = str(exc)
@@ -238,29 +209,11 @@ def test_auto_resume_walks_older_deepspeed_tags_newest_first_and_never_starts_ov
 def _failed_load_job(rank, world):
     """Rank 1's reads fail midway (a disk error on its third read): every rank raises and
     no rank's masters, Adam state, parameters, hyperparameters or counters change."""
-    import zerotrain
     from zerotrain.checkpoint.deepspeed.source import DeepSpeedCheckpoint
 
-    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
-        config = json.load(f)["config"]
-    model = M.make_model(seed=1)
-    engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
-                                      config=dict(config, zero_optimization={"stage": 2}))
-    x, y = M.micro_batch(0, rank, 0, world=world, gas=1, size=config[
-        "train_micro_batch_size_per_gpu"])
-    engine.backward(engine(x, y))
-    engine.step()
-
-    def everything():
-        state = _engine_state(engine)
-        for g, group in enumerate(engine.optimizer.param_groups):
-            for i, master in enumerate(group["params"]):
-                state[f"master.{g}.{i}"] = master.detach().clone()
-            state[f"group.{g}"] = torch.tensor([float(v) for k, v in sorted(group.items())
-                                                if isinstance(v, (int, float))])
-        return state
-
-    before = everything()
+    engine = F.build(zero_optimization={"stage": 2})
+    F.first_step(engine, rank, world)
+    before = F.snapshot(engine)
     original, calls = DeepSpeedCheckpoint.read_into, [0]
 
     def failing(self, *args, **kwargs):
@@ -271,18 +224,14 @@ def _failed_load_job(rank, world):
 
     DeepSpeedCheckpoint.read_into = failing
     try:
-        engine.load_checkpoint(os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint"),
-                               tag=f"global_step{M.BEFORE}")
+        engine.load_checkpoint(F.SAVE_DIR, tag=F.TAG)
         error = None
     except Exception as exc:  # noqa: BLE001 - the point of the test
         error = f"{type(exc).__name__}: {exc}"
     finally:
         DeepSpeedCheckpoint.read_into = original
-    after = everything()
-    unchanged = sorted(before) == sorted(after) and all(
-        torch.equal(before[k], after[k]) for k in before)
-    engine.load_checkpoint(os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint"),
-                           tag=f"global_step{M.BEFORE}")
+    unchanged = F.same(before, F.snapshot(engine))
+    engine.load_checkpoint(F.SAVE_DIR, tag=F.TAG)
     loads_after = engine.global_steps == M.BEFORE
     engine.close()
     return {"error": error, "unchanged": unchanged, "reads": calls[0],

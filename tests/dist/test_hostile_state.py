@@ -11,16 +11,11 @@ import sys
 import pytest
 import torch
 
+import ds_fixture as F
 import reference as R
+from ds_fixture import M, MODEL, OPTIMS, TAG
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "unit"))
-import make_deepspeed_ckpts as M  # noqa: E402
-
-FIXTURES = M.DEFAULT_OUT
-TAG = f"global_step{M.BEFORE}"
-OPTIMS = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
-MODEL = "mp_rank_00_model_states.pt"
 
 # DeepSpeed files: (name, edit of the optimizer groups or the model file, words the error names)
 DEEPSPEED_CASES = {
@@ -41,7 +36,7 @@ def _deepspeed_copies(base, monkeypatch) -> dict[str, str]:
 
     from zerotrain.checkpoint.deepspeed import load_file
     fake = _FakeDeepSpeed(monkeypatch)
-    source = os.path.join(FIXTURES, "z2_fp32_w2", "checkpoint")
+    source = F.SAVE_DIR
     roots = {}
     for name, (kind, edit, _) in DEEPSPEED_CASES.items():
         root = base / name
@@ -68,45 +63,12 @@ def _deepspeed_copies(base, monkeypatch) -> dict[str, str]:
     return roots
 
 
-def _everything(engine) -> dict:
-    """Everything a load writes: parameters, masters, Adam state, counters, hyperparameters."""
-    state = {f"param.{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
-    for i, (master, values) in enumerate(engine.optimizer.state.items()):
-        state[f"master.{i}"] = master.detach().clone()
-        for key, value in values.items():
-            state[f"optim.{i}.{key}"] = torch.as_tensor(value).detach().clone()
-    state["counters"] = torch.tensor([engine.global_steps, engine.global_samples,
-                                      engine.skipped_steps])
-    for g, group in enumerate(engine.optimizer.param_groups):
-        state[f"group.{g}"] = torch.tensor([float(v) for k, v in sorted(group.items())
-                                            if isinstance(v, (int, float))])
-    state["scale"] = torch.tensor(float(engine.loss_scale))
-    return state
-
-
-def _same(a: dict, b: dict) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _deepspeed_job(rank, world, roots):
-    import zerotrain
     from zerotrain.checkpoint import CheckpointError
 
-    with open(os.path.join(FIXTURES, "z2_fp32_w2", "case.json"), encoding="utf-8") as f:
-        config = json.load(f)["config"]
-
-    def build(**extra):
-        model = M.make_model(seed=1)
-        engine, *_ = zerotrain.initialize(model=model, model_parameters=M.param_groups(model),
-                                          config=dict(config, **extra))
-        return engine
-
-    engine = build()
-    x, y = M.micro_batch(0, rank, 0, world=world, gas=1,
-                         size=config["train_micro_batch_size_per_gpu"])
-    engine.backward(engine(x, y))
-    engine.step()
-    before = _everything(engine)
+    engine = F.build()
+    F.first_step(engine, rank, world)
+    before = F.snapshot(engine)
     out = {}
     for name in DEEPSPEED_CASES:
         try:
@@ -116,7 +78,7 @@ def _deepspeed_job(rank, world, roots):
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - a raw error is what the test refuses
             error = f"raw {type(exc).__name__}: {exc}"
-        out[name] = (error, _same(before, _everything(engine)))
+        out[name] = (error, F.same(before, F.snapshot(engine)))
     engine.close()
     listdir = os.listdir
 
@@ -127,7 +89,7 @@ def _deepspeed_job(rank, world, roots):
 
     os.listdir = unreadable
     try:
-        resumed = build(checkpoint={"auto_resume": roots["fallback"]})
+        resumed = F.build(checkpoint={"auto_resume": roots["fallback"]})
         out["fallback"] = (resumed.global_steps, resumed.get_lr()[0])
         resumed.close()
     except Exception as exc:  # noqa: BLE001
@@ -155,8 +117,15 @@ def test_hostile_deepspeed_state_is_refused_at_staging_and_auto_resume_falls_bac
 
 
 # --------------------------------------------------------------------------- zerotrain format
-SCALER_CASES = {"min_scale": 1e30, "scale_factor": 0.5, "loss_scale": math.nan,
-                "scale_window": 0}
+# manifest edits: case -> (section, key, value); each is refused naming ``section[key]``
+STATE_CASES = {"min_scale": ("loss_scaler", "min_scale", 1e30),
+               "scale_factor": ("loss_scaler", "scale_factor", 0.5),
+               "scale_window": ("loss_scaler", "scale_window", 0),
+               "loss_scale_nan": ("loss_scaler", "loss_scale", math.nan),
+               "loss_scale_zero": ("loss_scaler", "loss_scale", 0.0),
+               "loss_scale_negative": ("loss_scaler", "loss_scale", -8.0),
+               "loss_scale_inf": ("loss_scaler", "loss_scale", math.inf),
+               "consumed_negative": ("data_loader", "batches_consumed", -3)}
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                            "warmup_num_steps": 4, "warmup_type": "linear"}}
 
@@ -178,21 +147,25 @@ def _zerotrain_job(rank, world, root):
     import zerotrain
     from zerotrain.checkpoint import CheckpointError, fs
 
+    data = [R.micro_batch(i, 0, 0, size=1) for i in range(16)]   # its position is saved
+    data = [(x[0], y[0]) for x, y in data]
+
     def build():
         model = R.make_model(0)
         cfg = R.engine_config(stage=2, precision="fp16", scheduler=SCHEDULE)
-        return zerotrain.initialize(model=model, config=cfg)[0]
+        return zerotrain.initialize(model=model, config=cfg, training_data=data)[0]
 
     engine = build()
+    batches = iter(engine.training_dataloader)
     for step in range(2):
-        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        engine.backward(engine(*next(batches)))
         engine.step()
         engine.save_checkpoint(root, tag=f"step{step + 1}")
     cases = {}
     if rank == 0:
-        for key, value in SCALER_CASES.items():
-            cases[key] = _edited(root, "step2", f"scaler_{key}",
-                                 lambda m, k=key, v=value: m["loss_scaler"].update({k: v}))
+        for name, (section, key, value) in STATE_CASES.items():
+            cases[name] = _edited(root, "step2", f"state_{name}",
+                                  lambda m, s=section, k=key, v=value: m[s].update({k: v}))
         cases["scheduler_empty"] = _edited(root, "step2", "sched",
                                            lambda m: m.update(lr_scheduler={}))
         cases["steps_huge"] = _edited(root, "step2", "huge",
@@ -200,14 +173,14 @@ def _zerotrain_job(rank, world, root):
     box = [cases if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     cases = box[0]
-    before = _everything(engine)
+    before = F.snapshot(engine)
     out = {}
     for what, tag in cases.items():
         try:
             engine.load_checkpoint(root, tag=tag)
-            out[what] = (None, _same(before, _everything(engine)))
+            out[what] = (None, F.same(before, F.snapshot(engine)))
         except CheckpointError as exc:
-            out[what] = (str(exc), _same(before, _everything(engine)))
+            out[what] = (str(exc), F.same(before, F.snapshot(engine)))
     # ``latest`` read at different times: rank 1 would see the older tag
     fresh = build()
     original = fs.read_latest_text
@@ -238,10 +211,11 @@ def _zerotrain_job(rank, world, root):
 def test_hostile_zerotrain_state_is_refused_and_every_rank_loads_one_save(worlds, tmp_path):
     results = worlds.run(2, _zerotrain_job, str(tmp_path / "ckpt"))
     for rank, res in enumerate(results):
-        for key in SCALER_CASES:
-            error, unchanged = res[key]
-            assert error is not None and f"loss_scaler[{key!r}]" in error, (rank, key, error)
-            assert unchanged, (rank, key)
+        for name, (section, key, _) in STATE_CASES.items():
+            error, unchanged = res[name]   # the field and the tag's file are named
+            assert error is not None and f"{section}[{key!r}]" in error, (rank, name, error)
+            assert os.path.join(str(tmp_path / "ckpt"), f"state_{name}") in error, error
+            assert unchanged, (rank, name)
         assert res["scheduler_empty"][0] is not None and "lr_scheduler lacks" in \
             res["scheduler_empty"][0] and res["scheduler_empty"][1]
         assert res["steps_huge"][0] is not None and "global_steps" in res["steps_huge"][0]

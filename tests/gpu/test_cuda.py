@@ -9,6 +9,7 @@ Skipped without CUDA (CI has none; tests/unit/test_devices.py and
 tests/dist/test_offload_copies.py check the same decisions and counts on CPU). One process,
 world size 1; run with ``pytest -m gpu tests/gpu``.
 """
+import json
 import os
 import subprocess
 import sys
@@ -22,11 +23,34 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 # tests/: where reference.py lives for the child scripts
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SCRIPT = textwrap.dedent("""
+# what every child script starts with: imports and the full weights after training
+PRELUDE = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {here!r})
     import zerotrain, reference as R
 
+    def full_weights(engine, model, dtype=torch.float32):
+        \"\"\"Every parameter gathered and copied to the host; then the engine is closed.\"\"\"
+        engine.eval()
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            out = {{n: p.detach().to(dtype).cpu() for n, p in model.named_parameters()}}
+        engine.close()
+        return out
+""")
+
+
+def _run_script(tmp_path, name: str, body: str, *argv: str) -> dict:
+    """Run ``PRELUDE + body`` in a fresh process; the dict it printed after ``RESULT``."""
+    script = tmp_path / f"{name}.py"
+    script.write_text((PRELUDE + body).format(here=HERE, nvme=str(tmp_path)))
+    out = subprocess.run([sys.executable, str(script), *argv], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(next(line for line in out.stdout.splitlines()
+                           if line.startswith("RESULT "))[len("RESULT "):])
+
+
+SCRIPT = textwrap.dedent("""
     def run(stage, offload, precision, dpu=False):
         config = R.engine_config(stage=stage, ga=2, clip=0.5, precision=precision)
         zero = config["zero_optimization"]
@@ -44,11 +68,7 @@ SCRIPT = textwrap.dedent("""
                 x, y = R.micro_batch(step, 0, micro)
                 engine.backward(engine(x.cuda(), y.cuda()))
                 engine.step()
-        engine.eval()
-        with zerotrain.zero.GatheredParameters(list(model.parameters())):
-            out = {{n: p.detach().float().cpu() for n, p in model.named_parameters()}}
-        engine.close()
-        return out
+        return full_weights(engine, model)
 
     results = {{}}
     for precision in ("fp32", "bf16"):
@@ -74,14 +94,7 @@ BF16_OFFLOAD_TOL = 1e-2
 
 
 def test_offload_on_cuda_matches_no_offload(tmp_path):
-    script = tmp_path / "cuda_offload.py"
-    script.write_text(SCRIPT.format(here=HERE, nvme=str(tmp_path)))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
-    import json
-    results = json.loads(line[len("RESULT "):])
+    results = _run_script(tmp_path, "cuda_offload", SCRIPT)
     for case, diff in results.items():
         if case.startswith("fp32"):
             assert diff <= FP32_OFFLOAD_TOL, (case, diff)
@@ -90,9 +103,7 @@ def test_offload_on_cuda_matches_no_offload(tmp_path):
 
 
 DEVICE_SCRIPT = textwrap.dedent("""
-    import json, os, sys, torch, torch.distributed as dist
-    sys.path.insert(0, {here!r})
-    import zerotrain, reference as R
+    import os, torch.distributed as dist
     from zerotrain.offload import Transfers
     backend = sys.argv[1] or None
     os.environ["LOCAL_RANK"] = str(torch.cuda.device_count() - 1)
@@ -131,14 +142,7 @@ def test_device_selection_side_stream_copies_and_copy_ledger_on_cuda(tmp_path, b
     """No backend, NCCL and a mixed group all train on cuda:LOCAL_RANK; the copies run on
     their own streams with exact values; stage 2 bf16 offload moves 2 bytes per shard
     element each way per step."""
-    import json
-    script = tmp_path / "devices.py"
-    script.write_text(DEVICE_SCRIPT.format(here=HERE))
-    out = subprocess.run([sys.executable, str(script), backend], capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    res = json.loads(next(l for l in out.stdout.splitlines()
-                          if l.startswith("RESULT "))[len("RESULT "):])
+    res = _run_script(tmp_path, "devices", DEVICE_SCRIPT, backend)
     last = torch.cuda.device_count() - 1
     assert res["device"] == res["comm"] == f"cuda:{last}" and res["current"] == last, res
     assert res["copies"] == {"to_host": 2 * 2 * res["shard"],
@@ -148,9 +152,7 @@ def test_device_selection_side_stream_copies_and_copy_ledger_on_cuda(tmp_path, b
 
 
 GATHER_SCRIPT = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
-    sys.path.insert(0, {here!r})
-    import zerotrain, reference as R
+    import torch.distributed as dist
     sys.path.insert(0, {here!r} + "/dist")
     from test_gather_in_place import WritesInto, _inside
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
@@ -180,12 +182,9 @@ GATHER_SCRIPT = textwrap.dedent("""
                 engine.backward(engine(x.cuda(), y.cuda()))
                 engine.step()
         torch.cuda.synchronize()
-        out = {{**seen, "written": writes.written,
-               "calls": engine.comm.ledger.calls["all_gather"]}}
-        with zerotrain.zero.GatheredParameters(list(model.parameters())):
-            out["weights"] = {{n: p.detach().float().cpu() for n, p in model.named_parameters()}}
-        engine.close()
-        return out
+        return {{**seen, "written": writes.written,
+                "calls": engine.comm.ledger.calls["all_gather"],
+                "weights": full_weights(engine, model)}}
 
     plain, offload = run(False), run(True)
     diff = R.max_diff(plain.pop("weights"), offload.pop("weights"))
@@ -197,14 +196,7 @@ def test_gathers_write_into_the_units_full_buffer_on_nccl(tmp_path):
     """Stage 3 bf16 on NCCL, with and without offload_param: one flat launch per unit gather
     (its header inside, copied out into the unit's full buffer), and the two runs train
     alike (CPU proxy: tests/dist/test_divergent_paths.py)."""
-    import json
-    script = tmp_path / "gather.py"
-    script.write_text(GATHER_SCRIPT.format(here=HERE))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    res = json.loads(next(l for l in out.stdout.splitlines()
-                          if l.startswith("RESULT "))[len("RESULT "):])
+    res = _run_script(tmp_path, "gather", GATHER_SCRIPT)
     for case in ("plain", "offload"):
         got = res[case]
         assert got["launches"] > 0 and got["misplaced"] == 0, res
@@ -213,9 +205,6 @@ def test_gathers_write_into_the_units_full_buffer_on_nccl(tmp_path):
 
 
 INIT_SCRIPT = textwrap.dedent("""
-    import json, sys, torch
-    sys.path.insert(0, {here!r})
-    import zerotrain, reference as R
     from zerotrain.zero3.partition import is_partitioned
 
     def run(init):
@@ -232,10 +221,7 @@ INIT_SCRIPT = textwrap.dedent("""
         engine, *_ = zerotrain.initialize(model=model, config=config)
         R.train_engine(engine, steps=3, rank=0, ga=1)
         out["timers"] = engine.timing_breakdown()
-        engine.eval()
-        with zerotrain.zero.GatheredParameters(list(model.parameters())):
-            out["weights"] = {{n: p.detach().float().cpu() for n, p in model.named_parameters()}}
-        engine.close()
+        out["weights"] = full_weights(engine, model)
         return out
 
     built, init = run(False), run(True)
@@ -251,23 +237,13 @@ def test_zero_init_on_cuda_trains_like_a_model_built_whole(tmp_path):
     like the same model built whole and handed to stage 3 (same seed, same CUDA kernels:
     only the order of cuBLAS reductions could differ, hence 1e-6 in fp32); the step timers
     (CUDA events) report forward, backward and step."""
-    import json
-    script = tmp_path / "init.py"
-    script.write_text(INIT_SCRIPT.format(here=HERE))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    res = json.loads(next(l for l in out.stdout.splitlines()
-                          if l.startswith("RESULT "))[len("RESULT "):])
+    res = _run_script(tmp_path, "init", INIT_SCRIPT)
     assert res["init_partitioned"] and res["init_devices"] == ["cuda:0"], res
     assert res["diff"] <= 1e-6, res
     assert all(res["timers"].get(part, 0) > 0 for part in ("forward", "backward", "step")), res
 
 
 STAGES_SCRIPT = textwrap.dedent("""
-    import json, sys, torch
-    sys.path.insert(0, {here!r})
-    import zerotrain, reference as R
     torch.backends.cuda.matmul.allow_tf32 = False   # fp32 matmuls in fp32 on both devices
     torch.backends.cudnn.allow_tf32 = False
 
@@ -277,11 +253,7 @@ STAGES_SCRIPT = textwrap.dedent("""
         model = R.make_model().to(device)
         engine, *_ = zerotrain.initialize(model=model, config=config)
         R.train_engine(engine, steps=4, rank=0, ga=2)
-        engine.eval()
-        with zerotrain.zero.GatheredParameters(list(model.parameters())):
-            out = {{n: p.detach().double().cpu() for n, p in model.named_parameters()}}
-        engine.close()
-        return out
+        return full_weights(engine, model, torch.float64)
 
     print("RESULT " + json.dumps({{stage: R.max_diff(run(stage, "cuda"), run(stage, "cpu"))
                                   for stage in range(4)}}))
@@ -295,13 +267,6 @@ STAGE_DEVICE_TOL = 1e-5
 
 
 def test_every_stage_on_cuda_trains_like_the_same_stage_on_cpu(tmp_path):
-    import json
-    script = tmp_path / "stages.py"
-    script.write_text(STAGES_SCRIPT.format(here=HERE))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    res = json.loads(next(l for l in out.stdout.splitlines()
-                          if l.startswith("RESULT "))[len("RESULT "):])
+    res = _run_script(tmp_path, "stages", STAGES_SCRIPT)
     assert sorted(res) == ["0", "1", "2", "3"], res
     assert all(diff <= STAGE_DEVICE_TOL for diff in res.values()), res

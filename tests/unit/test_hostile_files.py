@@ -231,3 +231,32 @@ def test_a_lock_holder_is_named_by_pid_even_while_it_writes(tmp_path):
         assert "pid unknown" not in str(info.value)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("loss_scaler", "loss_scale", 0.0), ("loss_scaler", "loss_scale", -8.0),
+    ("loss_scaler", "loss_scale", float("nan")), ("loss_scaler", "loss_scale", float("inf")),
+    ("data_loader", "batches_consumed", -3)])
+def test_out_of_range_scaler_and_loader_state_is_refused_where_torch_load_takes_it(
+        tmp_path, section, key, value):
+    """``torch.load(weights_only=True)`` has no rule for these values and returns them as
+    saved (a zero scale then divides by zero at the next step, a negative count crashes
+    the loader's next pass); the checkpoint's check refuses them, naming field and file.
+    The same edits through a real load on 2 ranks: tests/dist/test_hostile_state.py."""
+    from zerotrain.checkpoint.match import check_data_loader, check_loss_scaler
+    from zerotrain.precision import LossScaler
+
+    live = {"loss_scaler": LossScaler(init_scale=2.0 ** 16, dynamic=True).state_dict(),
+            "data_loader": {"epoch": 0, "batches_consumed": 2, "micro_batch_size": 4,
+                            "world_size": 2}}[section]
+    saved = dict(live, **{key: value})
+    path = tmp_path / "state.pt"
+    torch.save(saved, path)
+    again = torch.load(path, weights_only=True)[key]
+    assert again == value or (value != value and again != again)   # taken as it is
+    check = {"loss_scaler": check_loss_scaler, "data_loader": check_data_loader}[section]
+    where = f"checkpoint {tmp_path / 'tag'}"
+    with pytest.raises(CheckpointError) as caught:
+        check(saved, live, where)
+    assert f"{section}[{key!r}]" in str(caught.value) and where in str(caught.value)
+    assert saved[key] is value or saved[key] == value   # the check changed nothing

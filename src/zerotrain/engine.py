@@ -346,11 +346,17 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
     def close(self) -> None:
         """Finish pending work, release offload threads and NVMe swap files, and remove the
         stage's hooks from the module, which a new engine may then take (Note: one open
-        engine per model). Calling it again does nothing."""
+        engine per model). An asynchronous save in flight is waited for first (collective,
+        as :meth:`wait_for_checkpoint`); if it failed, the engine is closed all the same and
+        the CheckpointError naming its tag is raised. Calling it again does nothing."""
         if getattr(self.stage, "zerotrain_closed", False):
             return
         self.settle()
-        close_stage(self.stage, self.module)
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self._checkpoint_writer = None      # its staging buffer goes with it
+            close_stage(self.stage, self.module)
 
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""

@@ -49,7 +49,7 @@ def build_parser(prog: str = "zerotrain consolidate") -> argparse.ArgumentParser
                         "deepspeed (a DeepSpeed ZeRO checkpoint; needs --stage and "
                         "--world-size)")
     parser.add_argument("--stage", type=int, default=None,
-                        help="--to deepspeed: the ZeRO stage of the DeepSpeed job (1 or 2)")
+                        help="--to deepspeed: the ZeRO stage of the DeepSpeed job (1, 2 or 3)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="--to deepspeed: the data-parallel world size of the DeepSpeed job")
     return parser

@@ -97,6 +97,55 @@ def test_a_failed_background_write_raises_on_every_rank_and_publishes_nothing(wo
         assert res["latest"] == "good" and res["left"] == ["good", "latest"], res
 
 
+def _close_job(rank, world, root):
+    """``close()`` with a save in flight: it returns once the tag is published; with a
+    failed one it raises naming the tag and still closes the engine."""
+    from zerotrain.checkpoint import CheckpointError, save
+    engine = _engine(2)
+    _train(engine, rank, 0, 1)
+    _slow_markers()
+    try:
+        engine.save_checkpoint(root, tag="closing", async_save=True)
+        in_flight = engine._checkpoint_writer.in_flight
+        engine.close()
+        published = open(os.path.join(root, "latest")).read()
+        failing = _engine(2, seed=1)
+        _train(failing, rank, 0, 1)
+        real = save._write_rank_file
+        if rank == 0:
+            def broken(*args, **kwargs):
+                raise OSError(28, "No space left on device")
+            save._write_rank_file = broken
+        try:
+            failing.save_checkpoint(root, tag="doomed", async_save=True)
+            try:
+                failing.close()
+                message = None
+            except CheckpointError as exc:
+                message = str(exc)
+        finally:
+            save._write_rank_file = real
+    finally:
+        _fast_markers()
+    return {"in_flight": in_flight, "published": published, "message": message,
+            "closed": failing.stage.zerotrain_closed, "latest": open(
+                os.path.join(root, "latest")).read()}
+
+
+def test_close_waits_for_the_save_in_flight_and_raises_its_failure_naming_the_tag(worlds,
+                                                                                    tmp_path):
+    for res in worlds.run(2, _close_job, str(tmp_path)):
+        assert res["in_flight"] and res["published"] == "closing", res
+        assert res["message"] and "doomed" in res["message"], res
+        assert "rank 0" in res["message"] and "not published" in res["message"], res
+        assert res["closed"] and res["latest"] == "closing", res
+
+
+def _fast_markers():
+    from zerotrain.checkpoint import writer
+    writer.write_marker = getattr(writer.write_marker, "real", writer.write_marker)
+
+
 def _slow_markers():
     from zerotrain.checkpoint import writer
     real = writer.write_marker
@@ -105,6 +154,7 @@ def _slow_markers():
         import time
         time.sleep(1.0)
         real(*args, **kwargs)
+    slow.real = real
     writer.write_marker = slow
 
 

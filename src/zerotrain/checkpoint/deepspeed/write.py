@@ -1,4 +1,5 @@
-"""A zerotrain checkpoint as a DeepSpeed ZeRO stage 1-2 checkpoint for a chosen world size.
+"""A zerotrain checkpoint as a DeepSpeed ZeRO checkpoint for a chosen world size: stages 1-2
+here, stage 3 in ``write3.py``.
 
 Note: what DeepSpeed 0.19's loader needs
     ``mp_rank_00_model_states.pt``: the module's state dict (fp32), ``param_shapes`` (per
@@ -40,10 +41,9 @@ def export_deepspeed(checkpoint_dir: str, output_dir: str, *, stage: int, world_
     """Write zerotrain checkpoint ``checkpoint_dir`` as a DeepSpeed ZeRO-``stage`` save
     directory for ``world_size`` data-parallel ranks: ``output_dir/latest`` and
     ``output_dir/global_step<N>/``. Returns the files written."""
-    if stage not in (1, 2):
-        raise CheckpointError(f"--stage {stage}: DeepSpeed checkpoints of stages 1 and 2 are "
-                              "written (stage 3 partitions every parameter separately, which "
-                              "this export does not write yet)")
+    if stage not in (1, 2, 3):
+        raise CheckpointError(f"--stage {stage}: DeepSpeed checkpoints of stages 1, 2 and 3 "
+                              "are written")
     if world_size < 1:
         raise CheckpointError(f"--world-size must be at least 1, got {world_size}")
     path = resolve_checkpoint(checkpoint_dir, tag)
@@ -60,15 +60,19 @@ def export_deepspeed(checkpoint_dir: str, output_dir: str, *, stage: int, world_
     with Reader(path, on_open=file_identity_check(manifest, path)) as reader:
         module = OrderedDict((spec.key, read_full(index, reader, spec))
                              for spec in export_specs(manifest))
+        if stage == 3:
+            from .write3 import write_zero3
+            return write_zero3(index, reader, manifest, module, members, output_dir,
+                               world_size)
         flats = [_flat_group(index, reader, module, names, world_size) for names in members]
     counters = manifest["counters"]
     out_tag = f"global_step{counters['global_steps']}"
     tag_dir = os.path.join(output_dir, out_tag)
     os.makedirs(tag_dir, exist_ok=True)
-    written = [_save(_model_states(manifest, module, members, world_size),
+    written = [save_file(model_states(manifest, module, members, world_size),
                      os.path.join(tag_dir, "mp_rank_00_model_states.pt"))]
     for rank in range(world_size):
-        written.append(_save(_optim_states(saved_groups, flats, rank, world_size),
+        written.append(save_file(_optim_states(saved_groups, flats, rank, world_size),
                              os.path.join(tag_dir,
                                           f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")))
     write_latest(output_dir, out_tag, "deepspeed")
@@ -82,12 +86,7 @@ def _flat_group(index: SourceIndex, reader: Reader, module: dict, names: list[st
     total = sum(module[n].numel() for n in names)
     alignment = ALIGNMENT_FACTOR * world
     padded = int(math.ceil(total / alignment)) * alignment if total else alignment
-    records = [index.params[n].record for n in names]
-    keys = list(records[0]["state_tensors"]) if records else []
-    for name, record in zip(names, records):
-        if list(record["state_tensors"]) != keys:
-            raise CheckpointError(f"parameter {name!r} has optimizer state "
-                                  f"{record['state_tensors']}, others of its group {keys}")
+    keys, step = group_state(index, names)
     out = {key: torch.zeros(padded, dtype=torch.float32) for key in ["master", *keys]}
     cursor = 0
     for name in names:
@@ -96,16 +95,28 @@ def _flat_group(index: SourceIndex, reader: Reader, module: dict, names: list[st
         for key in keys:
             index.read_into(reader, name, key, 0, numel, out[key][cursor:cursor + numel])
         cursor += numel
+    return {"tensors": out, "names": names, "partition": padded // world, "padding": padded - total,
+            "step": step}
+
+
+def group_state(index: SourceIndex, names: list[str]) -> tuple[list[str], Optional[float]]:
+    """The optimizer state keys and the Adam step of one group's parameters, which DeepSpeed
+    keeps once per group (raises naming the parameter or the steps that differ)."""
+    records = [index.params[n].record for n in names]
+    keys = list(records[0]["state_tensors"]) if records else []
+    for name, record in zip(names, records):
+        if list(record["state_tensors"]) != keys:
+            raise CheckpointError(f"parameter {name!r} has optimizer state "
+                                  f"{record['state_tensors']}, others of its group {keys}")
     steps = {float(r["state_scalars"]["step"]["value"]) for r in records
              if "step" in r["state_scalars"]}
     if len(steps) > 1:
         raise CheckpointError(f"the parameters of one optimizer group have different Adam "
                               f"steps {sorted(steps)}; DeepSpeed keeps one per group")
-    return {"tensors": out, "names": names, "partition": padded // world, "padding": padded - total,
-            "step": steps.pop() if steps else None}
+    return keys, (steps.pop() if steps else None)
 
 
-def _model_states(manifest: dict, module: dict, members: list[list[str]], world: int) -> dict:
+def model_states(manifest: dict, module: dict, members: list[list[str]], world: int) -> dict:
     in_groups = {n for names in members for n in names}
     buffers = [e["name"] for e in manifest["buffers"]]
     frozen = [e for e in manifest["frozen"]]
@@ -162,9 +173,15 @@ def _shapes(flats: list[dict]) -> list[list]:
     return [f["names"] for f in flats]
 
 
-def _save(value: dict, path: str) -> str:
+def save_file(value: dict, path: str, *, pickler: bool = False) -> str:
+    """``torch.save`` with a named error; ``pickler``: through ``write3``'s pickler, which
+    writes DeepSpeed's loss scaler by class name."""
     try:
-        torch.save(value, path)
+        if pickler:
+            from .write3 import PICKLE_MODULE
+            torch.save(value, path, pickle_module=PICKLE_MODULE)
+        else:
+            torch.save(value, path)
     except OSError as exc:
         raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path

@@ -31,15 +31,15 @@ PACKAGE = "zerotrain"
 
 # --------------------------------------------------------------------------- the table
 # Lowest row first. A row is a tuple of tiers, a tier a tuple of names. A name is a
-# top-level module (``"flat"``: flat.py) or package (``"stages"``: every module under
+# top-level module (``"errors"``: errors.py) or package (``"stages"``: every module under
 # stages/); ``"__init__"`` is zerotrain/__init__.py. Names not present yet are fine.
 # Add a new module here, in one place.
 ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
-    (("errors",), ("untrusted",), ("config", "flat", "estimate", "topology", "unsupported", "quantize"),
-     ("moe", "pipe", "records")),
+    (("errors",), ("untrusted",), ("config", "core", "estimate", "topology", "unsupported"),
+     ("moe", "pipe")),
     # 2. process-level services
-    (("teardown",), ("comm", "memory", "precision", "log", "timers", "throughput", "accelerator")),
+    (("teardown",), ("comm", "timers", "throughput", "accelerator")),
     # 3. building blocks of a stage
     (("buckets", "optim", "optim_kinds", "schedules", "dataloader", "offload", "ops", "lr_watch",
       "hierarchy", "direct_backward", "offload_names"),),
@@ -75,6 +75,7 @@ ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared 
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail",), ("setup", "ledger"), ("communicator",), ("deepspeed_api",),
              ("__init__",)),
+    "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }
 
 COLLECTIVES = frozenset({
@@ -349,7 +350,7 @@ def _report(problems: Iterable[str]) -> str:
 @pytest.fixture(scope="module")
 def modules() -> dict[str, str]:
     found = load_modules()
-    assert "__init__" in found and "flat" in found, f"no zerotrain sources under {SRC}"
+    assert "__init__" in found and "errors" in found, f"no zerotrain sources under {SRC}"
     return found
 
 
@@ -409,30 +410,30 @@ def _tree(**sources: str) -> dict[str, str]:
 
 
 def test_checker_flags_an_upward_import():
-    fake = _tree(flat="from .engine import ZeroEngine\n", engine="", __init__="")
+    fake = _tree(errors="from .engine import ZeroEngine\n", engine="", __init__="")
     problems = layer_violations(fake)
-    assert any("flat.py:1 imports engine" in p for p in problems), problems
+    assert any("errors.py:1 imports engine" in p for p in problems), problems
 
 
 def test_checker_resolves_absolute_relative_and_module_imports():
-    fake = _tree(buckets="import zerotrain.checkpoint\n", checkpoint="",
+    fake = _tree(dataloader="import zerotrain.checkpoint\n", checkpoint="",
                  comm="from zerotrain import initialize\n", initialize="",
-                 log="from . import optim\n", optim="",
-                 precision="import zerotrain\n", __init__="")
+                 unsupported="from . import optim\n", optim="",
+                 untrusted="import zerotrain\n", __init__="")
     problems = _report(layer_violations(fake))
-    assert "buckets.py:1 imports checkpoint" in problems
+    assert "dataloader.py:1 imports checkpoint" in problems
     assert "comm.py:1 imports initialize" in problems
-    assert "log.py:1 imports optim" in problems
-    assert "precision.py:1 imports __init__" in problems
+    assert "unsupported.py:1 imports optim" in problems
+    assert "untrusted.py:1 imports __init__" in problems
 
 
 def test_checker_allows_same_row_imports_only_from_earlier_tiers_or_peer_tiers():
     fake = _tree(config="from .errors import ConfigError\n", errors="",
-                 flat="from .config import x\n",
+                 estimate="from .config import x\n",
                  initialize="from .engine import ZeroEngine\n", engine="",
                  cli="from . import launch\n", launch="import zerotrain\n", __init__="")
     problems = layer_violations(fake)
-    assert len(problems) == 1 and "flat.py:1 imports config" in problems[0], problems
+    assert len(problems) == 1 and "estimate.py:1 imports config" in problems[0], problems
 
 
 def test_checker_flags_stages_importing_each_other_but_not_base_or_init():
@@ -484,11 +485,11 @@ def test_checker_flags_unplaced_modules_and_imports_of_them():
 
 
 def test_checker_flags_torch_in_config_and_distributed_in_row_one():
-    fake = _tree(config="import torch\n", flat="from torch import distributed as d\n",
+    fake = _tree(config="import torch\n", estimate="from torch import distributed as d\n",
                  errors="import torch.distributed.rpc\n", comm="import torch.distributed\n")
     problems = _report(torch_import_violations(fake))
     assert "config.py:1 imports torch" in problems
-    assert "flat.py:1 imports torch.distributed" in problems
+    assert "estimate.py:1 imports torch.distributed" in problems
     assert "errors.py:1 imports torch.distributed.rpc" in problems
     assert "comm.py" not in problems
 

@@ -51,7 +51,7 @@ from .lr_watch import SchedulerWatch
 from .optim import InferenceOnlyOptimizer, ZeroOptimizer
 from .optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage
-from .precision import LossScaling, PrecisionPolicy, loss_scaling
+from .core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from .stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
 from .timers import StepTimers

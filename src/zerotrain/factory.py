@@ -11,7 +11,7 @@ from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEvery
 from .comm import Communicator
 from .errors import ConfigError
 from .offload import OffloadPlan, Transfers, build_param_storage, build_storage, build_updater
-from .precision import PrecisionPolicy
+from .core.precision import PrecisionPolicy
 from .zero3.stage import PartitionedDataParallel
 from .stages.base import Stage, StepOutcome
 from .stages.zero12 import ShardedDataParallel, ShardPlan

@@ -46,7 +46,7 @@ from .ownership import close_stage, open_stage_of
 from .errors import ConfigError, RankMismatchError, StateError
 from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimizer,
                     param_groups_from, retarget_optimizer)
-from .precision import PrecisionPolicy
+from .core.precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
 from .factory import build_stage

@@ -7,7 +7,7 @@ import torch
 
 from zerotrain.buckets import AllReduceGrads, BucketPhase
 from zerotrain.errors import StateError
-from zerotrain.flat import FlatLayout
+from zerotrain.core.flat import FlatLayout
 
 
 class RecordingComm:

@@ -11,10 +11,10 @@ from torch import nn
 from ..comm import Communicator
 from ..comm.trail import first_difference
 from ..errors import RankDivergenceError, StateError
-from ..flat import Block
+from ..core.flat import Block
 from ..offload import CopyLedger, Gradients
 from ..offload.traffic import HostTraffic
-from ..records import FROZEN, ShardRecord   # re-exported: the stages' old home of both
+from ..core.records import FROZEN, ShardRecord   # re-exported: the stages' old home of both
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,9 +31,9 @@ from torch import nn
 
 from ..buckets import GradientBuckets
 from ..comm import Communicator
-from ..flat import Block, FlatLayout
+from ..core.flat import Block, FlatLayout
 from ..offload import Storage
-from ..precision import PrecisionPolicy
+from ..core.precision import PrecisionPolicy
 from .base import BucketedStage, ShardRecord
 
 

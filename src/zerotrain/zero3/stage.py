@@ -32,7 +32,7 @@ from torch import nn
 from ..buckets import ReduceScatterEveryMicroStep
 from ..comm import Communicator
 from ..offload import Storage
-from ..precision import PrecisionPolicy
+from ..core.precision import PrecisionPolicy
 from ..stages.base import FROZEN, BucketedStage, CompileTarget, ShardRecord
 from . import partition as P
 from .hierarchical import build_groups

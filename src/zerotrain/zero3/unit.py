@@ -46,9 +46,9 @@ import torch
 
 from ..comm import Communicator
 from ..errors import StateError
-from ..flat import FlatLayout
+from ..core.flat import FlatLayout
 from ..offload import Storage
-from ..precision import PrecisionPolicy
+from ..core.precision import PrecisionPolicy
 from . import partition as P
 from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec

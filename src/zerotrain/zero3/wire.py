@@ -41,7 +41,7 @@ from typing import ContextManager, Iterator, Sequence
 import torch
 
 from ..comm import Communicator
-from ..flat import FlatLayout
+from ..core.flat import FlatLayout
 from ..hierarchy import PendingGather, QuantizedAllGather
 from .gather_check import GatherCheck, start_checked
 

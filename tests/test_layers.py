@@ -36,13 +36,13 @@ PACKAGE = "zerotrain"
 # Add a new module here, in one place.
 ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 1. foundations: no torch.distributed (config: no torch at all)
-    (("errors",), ("untrusted",), ("config", "core", "estimate", "topology", "unsupported"),
+    (("errors",), ("untrusted",), ("config", "core", "estimate", "unsupported"),
      ("moe", "pipe")),
     # 2. process-level services
-    (("teardown",), ("comm", "timers", "throughput", "accelerator")),
+    (("comm", "timers", "throughput", "accelerator"),),
     # 3. building blocks of a stage
     (("buckets", "optim", "optim_kinds", "schedules", "dataloader", "offload", "ops", "lr_watch",
-      "hierarchy", "direct_backward", "offload_names"),),
+      "direct_backward", "offload_names"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("zero3", "activation", "compile"), ("zero", "checkpointing", "factory")),
     # 5. persistence, and DeepSpeed's helpers over it
@@ -71,10 +71,11 @@ NEVER_IMPORTS: dict[str, frozenset[str]] = {
 ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared module
 # Packages whose submodules have rows of their own, lowest first (as in ROWS): a submodule
 # imports only from rows above its own. comm: set-up and the ledger, then the Communicator
-# over them, then DeepSpeed's function API, then the package's re-exports.
+# over them, then DeepSpeed's function API and the two-group collectives, then the package's
+# re-exports.
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "comm": (("trail",), ("setup", "ledger"), ("communicator",), ("deepspeed_api",),
-             ("__init__",)),
+    "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("communicator",),
+             ("deepspeed_api", "hierarchy"), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }
 

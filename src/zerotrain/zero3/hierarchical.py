@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from ..comm import Communicator
 from ..errors import ConfigError
-from ..hierarchy import QuantizedHierarchicalReduceScatter, ReplicatedReduceScatter
+from ..comm.hierarchy import QuantizedHierarchicalReduceScatter, ReplicatedReduceScatter
 from .wire import SecondaryPartitionWire, UnitWire
 
 

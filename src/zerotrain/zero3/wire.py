@@ -42,7 +42,7 @@ import torch
 
 from ..comm import Communicator
 from ..core.flat import FlatLayout
-from ..hierarchy import PendingGather, QuantizedAllGather
+from ..comm.hierarchy import PendingGather, QuantizedAllGather
 from .gather_check import GatherCheck, start_checked
 
 NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one launch

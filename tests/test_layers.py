@@ -11,7 +11,7 @@ Rules:
 * row 1 never imports ``torch.distributed``, and ``config`` does not import torch at all;
 * only modules of ``zerotrain.comm`` call torch.distributed collectives;
 * only ``engine``, ``initialize``, ``__init__`` and ``cli`` import ``engine``;
-* ``checkpoint`` and ``export`` never import ``stages`` or ``zero3``, although their row
+* ``checkpoint`` (full-weight export included) never imports ``stages`` or ``zero3``, although their row
   allows it: they see a stage only through their own protocols (:data:`NEVER_IMPORTS`);
 * every module is placed in :data:`ROWS`, and every module of ``comm`` in
   :data:`PACKAGE_ROWS` (a new module fails until it is placed).
@@ -46,7 +46,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("zero3", "activation", "compile"), ("zero", "checkpointing", "factory")),
     # 5. persistence, and DeepSpeed's helpers over it
-    (("checkpoint",), ("export",), ("utils",)),
+    (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
     (("engine_api", "engine_reports", "ownership"), ("engine",), ("initialize",), ("planner",), ("__init__", "cli", "launch", "demo", "__main__"),
      ("integrations", "as_deepspeed")),
@@ -61,11 +61,10 @@ NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
 COMM_MODULE = "comm"
 ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli",
                                               "planner"})
-# Names a module never imports although its row may: checkpoints and export reach a stage
-# only through checkpoint.state.ShardOwner and export.FullWeights.
+# Names a module never imports although its row may: checkpoints and full-weight export reach a stage
+# only through checkpoint.state.ShardOwner and checkpoint.full_weights.FullWeights.
 NEVER_IMPORTS: dict[str, frozenset[str]] = {
     "checkpoint": frozenset({"stages", "zero3"}),
-    "export": frozenset({"stages", "zero3"}),
 }
 # Packages whose submodules must not import each other (see ``_package_rule``).
 ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared module
@@ -470,12 +469,13 @@ def test_checker_flags_engine_imported_outside_its_users():
 def test_checker_flags_checkpoint_or_export_importing_stages_or_zero3():
     fake = _tree(checkpoint_load="from ..stages.base import FROZEN\nfrom ..records import x\n",
                  checkpoint_state="import zerotrain.zero3.partition\n",
-                 export="from .zero3.init import GatheredParameters\nfrom . import flat\n",
+                 checkpoint_full_weights="from ..zero3.init import GatheredParameters\n"
+                                         "from ..core import flat\n",
                  engine="from .stages import base\n", stages_base="", records="", flat="")
     problems = _report(never_import_violations(fake))
     assert "checkpoint/load.py:1 imports stages/base" in problems
     assert "checkpoint/state.py:1 imports zero3/partition" in problems
-    assert "export.py:1 imports zero3/init" in problems
+    assert "checkpoint/full_weights.py:1 imports zero3/init" in problems
     assert len(never_import_violations(fake)) == 3, problems
 
 

@@ -39,7 +39,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from . import checkpoint, export
+from . import checkpoint
+from .checkpoint import full_weights as export
 from .comm import Communicator
 from .compile import Compilation, CompileSettings
 from .config import ZeroTrainConfig

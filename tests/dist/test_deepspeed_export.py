@@ -75,7 +75,7 @@ def _continue_deepspeed(rank, world, root, stage):
 
 
 def test_export_to_deepspeed_continues_as_zerotrain_at_another_world_size(worlds, tmp_path):
-    from zerotrain.export import consolidate_main
+    from zerotrain.checkpoint.full_weights import consolidate_main
     root = str(tmp_path)
     worlds.run(2, _save_job, root)
     assert consolidate_main([os.path.join(root, "zt"), os.path.join(root, "ds"), "--to",
@@ -97,7 +97,7 @@ def test_export_to_deepspeed_continues_as_zerotrain_at_another_world_size(worlds
 
 
 def test_export_to_deepspeed_refuses_stage_3_and_a_missing_world_size(tmp_path, capsys):
-    from zerotrain.export import consolidate_main
+    from zerotrain.checkpoint.full_weights import consolidate_main
     with pytest.raises(SystemExit):
         consolidate_main([str(tmp_path), str(tmp_path / "o"), "--to", "deepspeed",
                           "--stage", "2"])

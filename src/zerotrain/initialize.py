@@ -37,12 +37,12 @@ from .checkpoint.deepspeed import is_deepspeed_tag_dir, tag_steps
 from .checkpoint.fs import resume_candidates
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device, set_group_timeout)
-from .compile import refuse_precompiled
+from .engine.compile import refuse_precompiled
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine
-from .ownership import close_stage, open_stage_of
+from .engine.ownership import close_stage, open_stage_of
 from .errors import ConfigError, RankMismatchError, StateError
 from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimizer,
                     param_groups_from, retarget_optimizer)

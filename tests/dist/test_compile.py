@@ -258,7 +258,7 @@ def test_cuda_graphs_are_refused_at_stage_3_only():
     that moves, so every way of asking for them is refused there, naming the setting,
     and the engine stays uncompiled (Note: no CUDA graphs at stage 3)."""
     import zerotrain
-    from zerotrain.compile import Compilation, CompileSettings
+    from zerotrain.engine.compile import Compilation, CompileSettings
     from zerotrain.errors import ConfigError
     engine, *_ = zerotrain.initialize(model=Net(), config=_config(3))
     asks = [({"mode": "reduce-overhead"}, r"compile\.mode: 'reduce-overhead'"),

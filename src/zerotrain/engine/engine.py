@@ -39,21 +39,21 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from . import checkpoint
-from .checkpoint import full_weights as export
-from .comm import Communicator
+from .. import checkpoint
+from ..checkpoint import full_weights as export
+from ..comm import Communicator
 from .compile import Compilation, CompileSettings
-from .config import ZeroTrainConfig
+from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
-from .engine_api import DeepSpeedEngineAPI
-from .engine_reports import EngineReports, reach_totals
-from .errors import ConfigError, NonFiniteGradientError, StateError
+from .api import DeepSpeedEngineAPI
+from .reports import EngineReports, reach_totals
+from ..errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
-from .optim import InferenceOnlyOptimizer, ZeroOptimizer
-from .optim_kinds import deepspeed_kinds
+from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
+from ..optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage
-from .core.precision import LossScaling, PrecisionPolicy, loss_scaling
-from .stages.base import Stage, StepOutcome
+from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
+from ..stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
 from .timers import StepTimers
 

@@ -54,8 +54,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .errors import CompileError, ConfigError
-from .stages.base import CompileTarget
+from ..errors import CompileError, ConfigError
+from ..stages.base import CompileTarget
 
 logger = logging.getLogger(__name__)
 

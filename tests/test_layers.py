@@ -41,10 +41,10 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 2. process-level services
     (("comm", "accelerator"),),
     # 3. building blocks of a stage
-    (("buckets", "optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
+    (("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
       "offload_names"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("zero3", "activation"), ("zero", "checkpointing", "factory")),
+    (("stages",), ("activation",), ("zero", "checkpointing")),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
@@ -64,10 +64,11 @@ ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__"
 # Names a module never imports although its row may: checkpoints and full-weight export reach a stage
 # only through checkpoint.state.ShardOwner and checkpoint.full_weights.FullWeights.
 NEVER_IMPORTS: dict[str, frozenset[str]] = {
-    "checkpoint": frozenset({"stages", "zero3"}),
+    "checkpoint": frozenset({"stages"}),
 }
 # Packages whose submodules must not import each other (see ``_package_rule``).
-ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared module
+# (stages, once isolated this way, now has package rows: zero12 and zero3 share a row.)
+ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 # Packages whose submodules have rows of their own, lowest first (as in ROWS): a submodule
 # imports only from rows above its own. comm: set-up and the ledger, then the Communicator
 # over them, then DeepSpeed's function API and the two-group collectives, then the package's
@@ -75,6 +76,7 @@ ISOLATED_PACKAGES: dict[str, str] = {"stages": "base"}  # package -> its shared 
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("communicator",),
              ("deepspeed_api", "hierarchy"), ("__init__",)),
+    "stages": (("base",), ("buckets",), ("zero12", "zero3"), ("factory",), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership"),
                ("api", "reports"), ("engine",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
@@ -196,6 +198,7 @@ def external_imports(tree: ast.AST) -> Iterator[tuple[str, int]]:
 def _package_row(key: str) -> Optional[int]:
     """The row of a submodule of a :data:`PACKAGE_ROWS` package, or None if not placed."""
     package, _, sub = key.partition("/")
+    sub = sub.split("/", 1)[0]  # a subpackage (stages/zero3/unit) has the row of its folder
     for r, row in enumerate(PACKAGE_ROWS.get(package, ())):
         if sub in row:
             return r
@@ -214,6 +217,9 @@ def _package_rule(importer: str, target: str) -> Optional[str]:
     package = top_name(importer)
     if package in PACKAGE_ROWS:
         mine, theirs = _package_row(importer), _package_row(target)
+        inner = importer.split("/")[1:2], target.split("/")[1:2]
+        if inner[0] == inner[1] and importer.count("/") > 1 and target.count("/") > 1:
+            return None  # inside one subpackage (stages/zero3): free, like a package
         if mine is None or theirs is None:
             return None if mine is None else f"{target} is not placed in PACKAGE_ROWS"
         if theirs >= mine:
@@ -470,14 +476,14 @@ def test_checker_flags_engine_imported_outside_its_users():
 
 def test_checker_flags_checkpoint_or_export_importing_stages_or_zero3():
     fake = _tree(checkpoint_load="from ..stages.base import FROZEN\nfrom ..records import x\n",
-                 checkpoint_state="import zerotrain.zero3.partition\n",
-                 checkpoint_full_weights="from ..zero3.init import GatheredParameters\n"
+                 checkpoint_state="import zerotrain.stages.zero3.partition\n",
+                 checkpoint_full_weights="from ..stages.zero3.init import GatheredParameters\n"
                                          "from ..core import flat\n",
                  engine="from .stages import base\n", stages_base="", records="", flat="")
     problems = _report(never_import_violations(fake))
     assert "checkpoint/load.py:1 imports stages/base" in problems
-    assert "checkpoint/state.py:1 imports zero3/partition" in problems
-    assert "checkpoint/full_weights.py:1 imports zero3/init" in problems
+    assert "checkpoint/state.py:1 imports stages/zero3/partition" in problems
+    assert "checkpoint/full_weights.py:1 imports stages/zero3/init" in problems
     assert len(never_import_violations(fake)) == 3, problems
 
 
@@ -514,3 +520,13 @@ def test_checker_flags_collectives_outside_comm(source):
 def test_checker_allows_non_collective_torch_distributed_calls():
     source = "import torch.distributed as dist\ndist.get_backend()\ndist.get_rank()\n"
     assert not collective_violations({"initialize": source})
+
+
+def test_checker_frees_a_subpackage_inside_and_orders_it_by_its_folder():
+    fake = {"stages/zero3/unit": "from .wire import W\nfrom ..buckets import B\n",
+            "stages/zero3/wire": "", "stages/buckets": "from .zero3.unit import U\n",
+            "stages/zero12": "from .zero3 import wire\n"}
+    problems = _report(layer_violations(fake))
+    assert "stages/buckets.py:1 imports stages/zero3/unit" in problems
+    assert "stages/zero12.py:1 imports stages/zero3/wire" in problems
+    assert len(layer_violations(fake)) == 2, problems

@@ -49,9 +49,9 @@ from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimi
 from .core.precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
-from .factory import build_stage
-from .zero3.init import unpartition
-from .zero3.partition import full_shape, is_partitioned
+from .stages.factory import build_stage
+from .stages.zero3.init import unpartition
+from .stages.zero3.partition import full_shape, is_partitioned
 
 logger = logging.getLogger(__name__)
 

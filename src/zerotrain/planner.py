@@ -239,7 +239,7 @@ def fake_world(rank: int, world: int) -> Iterator[Any]:
 
     from .comm.communicator import Communicator
     from .comm.trail import CollectiveTrail
-    from .zero3.gather_check import GatherCheck
+    from .stages.zero3.gather_check import GatherCheck
 
     if dist.is_initialized():
         raise RuntimeError("the planner needs a process without a process group (it runs "

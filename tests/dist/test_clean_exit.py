@@ -1,6 +1,6 @@
 """A finished job exits cleanly: no gloo abort at interpreter exit, exit codes kept.
 
-See the Note "exit aborts" in src/zerotrain/teardown.py.
+See the Note "exit aborts" in src/zerotrain/comm/teardown.py.
 """
 import json
 import os

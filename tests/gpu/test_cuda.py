@@ -216,7 +216,7 @@ INIT_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {here!r})
     import zerotrain, reference as R
-    from zerotrain.zero3.partition import is_partitioned
+    from zerotrain.stages.zero3.partition import is_partitioned
 
     def run(init):
         config = R.engine_config(stage=3)

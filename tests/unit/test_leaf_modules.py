@@ -5,8 +5,8 @@ from torch import nn
 
 import zerotrain.utils as U
 from zerotrain.config import load_config
-from zerotrain.zero3.leaf import apply_leaf_module_config
-from zerotrain.zero3.unit_specs import build_units
+from zerotrain.stages.zero3.leaf import apply_leaf_module_config
+from zerotrain.stages.zero3.unit_specs import build_units
 
 
 class Block(nn.Module):

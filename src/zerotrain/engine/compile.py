@@ -5,7 +5,7 @@ Note: what is compiled
     and those run in the autograd engine after a compiled backward has produced the
     gradient, exactly as after an eager one. So the whole module's forward is compiled as
     one function. Stage 3 gathers and releases parameters in forward hooks on its units'
-    modules (``zero3/hooks.py``); traced into a graph, those hooks (collectives, ``.data``
+    modules (``stages/zero3/scheduler.py``); traced into a graph, those hooks (collectives, ``.data``
     swaps) break it or force a recompilation every step. So stage 3 compiles per unit:
     each unit module that contains no other unit module (a transformer block, with the
     default ``stage3_prefetch_bucket_size``) gets a compiled forward, and the hooks that

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..buckets import GradientBuckets
+from .buckets import GradientBuckets
 from ..comm import Communicator
 from ..core.flat import Block, FlatLayout
 from ..offload import Storage

@@ -33,7 +33,7 @@ Note: freed storage
     right values again. This is FSDP2's scheme (``_fsdp_param.py``, ``free_storage`` and
     ``alloc_storage``); it makes what autograd saves cost nothing between a unit's forward
     and its backward. Nothing may read a saved view while its unit is released: the hooks
-    (``hooks.py``) gather a unit before its backward starts and release it only once every
+    (``scheduler.py``) gather a unit before its backward starts and release it only once every
     use in backward is done.
 """
 from __future__ import annotations
@@ -44,11 +44,11 @@ from typing import Optional
 
 import torch
 
-from ..comm import Communicator
-from ..errors import StateError
-from ..core.flat import FlatLayout
-from ..offload import Storage
-from ..core.precision import PrecisionPolicy
+from ...comm import Communicator
+from ...errors import StateError
+from ...core.flat import FlatLayout
+from ...offload import Storage
+from ...core.precision import PrecisionPolicy
 from . import partition as P
 from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec
@@ -95,7 +95,7 @@ class Unit:
             self.shard = shard_storage.zeros(self.shard_numel, policy.param_dtype)
             self.shard.copy_(self.master)
         self.state = UnitState.RELEASED
-        self._holders = 0   # Note: holders in hooks.py
+        self._holders = 0   # Note: holders in scheduler.py
         self._pending = None
         for p in spec.params:  # the unit's shard is the source of truth from now on
             p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
@@ -198,7 +198,7 @@ class Unit:
 
     # ------------------------------------------------------------------ holders
     def hold(self) -> None:
-        """One more holder keeps the unit gathered (Note: holders in hooks.py)."""
+        """One more holder keeps the unit gathered (Note: holders in scheduler.py)."""
         self._holders += 1
 
     @property

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
-from .comm import Communicator
-from .errors import ConfigError
-from .offload import OffloadPlan, Transfers, build_param_storage, build_storage, build_updater
-from .core.precision import PrecisionPolicy
+from ..comm import Communicator
+from ..errors import ConfigError
+from ..offload import OffloadPlan, Transfers, build_param_storage, build_storage, build_updater
+from ..core.precision import PrecisionPolicy
 from .zero3.stage import PartitionedDataParallel
-from .stages.base import Stage, StepOutcome
-from .stages.zero12 import ShardedDataParallel, ShardPlan
+from .base import Stage, StepOutcome
+from .zero12 import ShardedDataParallel, ShardPlan
 
 __all__ = ["Stage", "StepOutcome", "build_stage"]
 

@@ -1,6 +1,5 @@
 """DeepSpeed 0.19's leaf-module API and config form (zero3/leaf.py), without processes."""
 import pytest
-import torch
 from torch import nn
 
 import zerotrain.utils as U

@@ -14,7 +14,7 @@ from ..errors import RankDivergenceError, StateError
 from ..core.flat import Block
 from ..offload import CopyLedger, Gradients
 from ..offload.traffic import HostTraffic
-from ..core.records import FROZEN, ShardRecord   # re-exported: the stages' old home of both
+from ..core.records import FROZEN, ShardRecord  # noqa: F401 (re-exported: the stages' old home of both)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,8 +49,7 @@ from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimi
 from .core.precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
-from .stages.factory import build_stage
-from .stages.zero3.init import unpartition
+from .stages.factory import adopt, build_stage
 from .stages.zero3.partition import full_shape, is_partitioned
 
 logger = logging.getLogger(__name__)
@@ -121,8 +120,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         activation.configure(None, deepspeed_config=cfg)
 
-    if cfg.zero_optimization.stage < 3:   # stages 0-2 train full parameters
-        unpartition(model.parameters(), comm)
+    adopt(cfg.zero_optimization.stage, model, comm)   # stages 0-2 train full parameters
     model = _place_module(model, device, policy.param_dtype)
     check_same_across_ranks(comm, fingerprint(model, cfg))
     if comm.world_size > 1:  # partitioned parameters were broadcast by zero.Init

@@ -102,7 +102,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._compilation: Optional[Compilation] = None
         self._auto_cast = ((config.fp16.enabled and config.fp16.auto_cast)
                            or (config.bf16.enabled and config.bf16.auto_cast))
-        if not self.inference_only or config.zero_optimization.stage == 3:
+        if not self.inference_only or stage.partitions_parameters:
             claim(stage, module)   # Note: one open engine per model
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
@@ -402,7 +402,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         empty model.
         """
         zero = self.config.zero_optimization
-        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+        if (self.stage.partitions_parameters
+                and not zero.stage3_gather_16bit_weights_on_model_save):
             raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                               "save_16bit_model at stage 3 gathers the full weights; set it "
                               "to true (or use save_checkpoint and `zerotrain consolidate`)")

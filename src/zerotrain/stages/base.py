@@ -50,6 +50,7 @@ class Stage(Protocol):
 
     optimizer: torch.optim.Optimizer
     delays_update: bool   # the update finishes at ``settle`` (offload_optimizer.dpu)
+    partitions_parameters: bool   # parameters are shards between uses (stage 3)
 
     def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
         """Called before each micro-step's backward; ``boundary`` if it ends accumulation.

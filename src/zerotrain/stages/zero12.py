@@ -74,6 +74,8 @@ class ShardedDataParallel(BucketedStage):
         (``publish_in_place`` False).
     """
 
+    partitions_parameters = False
+
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Parameter]]], *,
                  comm: Communicator, policy: PrecisionPolicy, plan: ShardPlan,
                  make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],

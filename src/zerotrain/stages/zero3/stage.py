@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 class PartitionedDataParallel(BucketedStage):
     """Stage 3 over ``module``; parameters outside forward/backward are empty tensors."""
 
+    partitions_parameters = True
+
     def __init__(self, module: nn.Module, groups: Sequence[list[nn.Parameter]], *,
                  comm: Communicator, policy: PrecisionPolicy, zero_config,
                  make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],

@@ -72,6 +72,16 @@ class GroupSlice:
 
 
 class Unit:
+    """One unit of stage 3 on this rank: a group of parameters gathered and released
+    together, with its shards (``master``, ``shard``, ``frozen``) and its ``full`` buffer
+    (Note: unit tensors).
+
+    It moves RELEASED -> GATHERING -> GATHERED -> RELEASED and counts its holders; when to
+    move is the :class:`~zerotrain.stages.zero3.scheduler.UnitScheduler`'s call, how the
+    bytes travel is :mod:`~zerotrain.stages.zero3.wire`'s. Its gradients leave through the
+    stage's buckets, one column of ``master`` per optimizer group.
+    """
+
     def __init__(self, spec: UnitSpec, *, comm: Communicator, policy: PrecisionPolicy,
                  group_of: dict[int, Optional[int]], device: torch.device,
                  storage: Storage, shard_storage: Storage,

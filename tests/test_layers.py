@@ -48,12 +48,12 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine",), ("initialize",), ("planner",), ("__init__", "cli", "launch", "demo", "__main__"),
+    (("engine",), ("initialize",), ("planner",), ("__init__", "cli", "demo", "__main__"),
      ("integrations", "as_deepspeed")),
 )
 # Tiers whose members may import one another (entry points).
 PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
-    {("__init__", "cli", "launch", "demo", "__main__")})
+    {("__init__", "cli", "demo", "__main__")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
@@ -439,7 +439,7 @@ def test_checker_allows_same_row_imports_only_from_earlier_tiers_or_peer_tiers()
     fake = _tree(config="from .errors import ConfigError\n", errors="",
                  estimate="from .config import x\n",
                  initialize="from .engine import ZeroEngine\n", engine="",
-                 cli="from . import launch\n", launch="import zerotrain\n", __init__="")
+                 cli="from . import demo\n", demo="import zerotrain\n", __init__="")
     problems = layer_violations(fake)
     assert len(problems) == 1 and "estimate.py:1 imports config" in problems[0], problems
 

@@ -1,4 +1,6 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
+# `make test-fast` skips the tests marked slow (the inner loop); `make lint` runs ruff with
+# the short rule set in pyproject.toml ([tool.ruff.lint]).
 # `make gpu-check` is the first command on a GPU machine (bench/README.md); `make gpu-wheels`
 # fetches, here, the wheels it installs there (needs PyPI; not part of `make test`).
 PYTHON ?= python3
@@ -7,7 +9,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch for development and CI (a plain `torch` pulls a multi-GB CUDA build).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test install clean gpu-check gpu-wheels
+.PHONY: demo test test-fast lint install clean gpu-check gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +25,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(PY) -m ruff check src tests bench examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -40,7 +40,7 @@ def _bench(rank, world, blocks, width, steps, stage):
 
     import zerotrain
     from zerotrain.comm import trail as trail_mod
-    from zerotrain.zero3 import gather_check, wire
+    from zerotrain.stages.zero3 import gather_check, wire
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())

@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, store_path: str, steps: int, out_dir: str) -> N
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world)
     import zerotrain
-    from zerotrain.memory import current_rss_bytes, live_tensor_bytes
+    from zerotrain.core.memory import current_rss_bytes, live_tensor_bytes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])

@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 import reference as R  # noqa: E402
 import zerotrain  # noqa: E402
-from zerotrain import teardown  # noqa: E402
+from zerotrain.comm import teardown  # noqa: E402
 
 
 def _rank(rank: int, store_path: str, cost_path: str, use_teardown: bool,

@@ -84,15 +84,15 @@ def test_launch_forwards_everything_to_torchrun(monkeypatch):
 
 def test_consolidate_calls_export_consolidate_main(monkeypatch):
     seen = []
-    fake = types.ModuleType("zerotrain.export")
+    fake = types.ModuleType("zerotrain.checkpoint.full_weights")
     fake.consolidate_main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "zerotrain.export", fake)
+    monkeypatch.setitem(sys.modules, "zerotrain.checkpoint.full_weights", fake)
     assert main(["consolidate", "ckpt", "out", "--tag", "t", "--max-shard-size", "5GB"]) == 0
     assert seen == [["ckpt", "out", "--tag", "t", "--max-shard-size", "5GB"]]
 
 
 def test_consolidate_without_export_says_so_and_exits_2(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "zerotrain.export", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "zerotrain.checkpoint.full_weights", None)  # makes the import fail
     assert main(["consolidate", "ckpt", "out"]) == 2
     assert "zerotrain consolidate: not available" in capsys.readouterr().err
 

@@ -12,8 +12,8 @@ from .dataloader import RepeatingLoader
 from .engine import ZeroEngine
 from .errors import ConfigError, NonFiniteGradientError, RankMismatchError, ZeroTrainError
 from .initialize import add_config_arguments, initialize
-from .log import setup_logger
-from .memory import see_memory_usage
+from .core.log import setup_logger
+from .core.memory import see_memory_usage
 from .tp import tp_model_init
 from .utils import log_dist, logger
 

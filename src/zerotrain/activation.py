@@ -17,7 +17,7 @@ code without checkpointing. ``zerotrain.initialize`` calls ``configure`` with th
 Note: checkpointing and stage 3
     Recomputation runs the segment's module forwards again, inside backward. Stage 3's
     forward pre-hook gathers each unit again and its forward hook lets go of it, exactly
-    as in forward (``zero3/hooks.py``); the recomputed values are what backward uses. The
+    as in forward (``stages/zero3/scheduler.py``); the recomputed values are what backward uses. The
     recomputation is part of the execution order the stage-3 trace records, so from the
     second step on the units are prefetched for it too, and a unit kept gathered after
     its forward passes its hold on to the recomputation. torch normally stops a

@@ -96,7 +96,7 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime.activation_checkpointing.checkpointing": "zerotrain.checkpointing",
     "deepspeed.runtime.lr_schedules": "zerotrain.schedules",
     "deepspeed.runtime.dataloader": "zerotrain.dataloader",
-    "deepspeed.runtime.utils": "zerotrain.memory",
+    "deepspeed.runtime.utils": "zerotrain.core.memory",
     "deepspeed.runtime.pipe": "zerotrain.pipe",
     "deepspeed.runtime.pipe.engine": "zerotrain.pipe",
     "deepspeed.runtime.pipe.module": "zerotrain.pipe",

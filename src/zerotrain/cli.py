@@ -254,12 +254,12 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 def _consolidate(argv: list[str]) -> int:
-    """Hand ``argv`` to ``zerotrain.export.consolidate_main``, imported only when asked for."""
+    """Hand ``argv`` to ``zerotrain.checkpoint.full_weights.consolidate_main``, imported only when asked for."""
     try:
-        from .export import consolidate_main
+        from .checkpoint.full_weights import consolidate_main
     except ImportError as exc:
         print(f"zerotrain consolidate: not available in this installation ({exc}); it needs "
-              "zerotrain.export, which comes with checkpoint support", file=sys.stderr)
+              "zerotrain.checkpoint.full_weights, which comes with checkpoint support", file=sys.stderr)
         return 2
     return int(consolidate_main(argv) or 0)
 

@@ -42,22 +42,21 @@ from .checkpoint.fs import resume_candidates
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device, set_group_timeout)
 from .comm.mesh import build_mesh
-from .compile import refuse_precompiled
+from .engine.compile import refuse_precompiled
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine
-from .ownership import close_stage, open_stage_of
+from .engine.ownership import close_stage, open_stage_of
 from .errors import ConfigError, RankMismatchError, StateError
 from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimizer,
                     param_groups_from, retarget_optimizer)
-from .precision import PrecisionPolicy
+from .core.precision import PrecisionPolicy
 from .schedules import build_scheduler
 from .utils import register_engine
-from .factory import build_stage
+from .stages.factory import adopt, build_stage, stage_class
 from .tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
-from .zero3.init import unpartition
-from .zero3.partition import full_shape, is_partitioned
+from .stages.zero3.partition import full_shape, is_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +127,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         activation.configure(None, deepspeed_config=cfg)
 
-    if cfg.zero_optimization.stage < 3:   # stages 0-2 train full parameters
-        unpartition(model.parameters(), comm)
+    adopt(cfg.zero_optimization.stage, model, comm)   # stages 0-2 train full parameters
     model = _place_module(model, device, policy.param_dtype)
     check_same_across_ranks(comm, fingerprint(model, cfg))
     if comm.world_size > 1:  # partitioned parameters were broadcast by zero.Init
@@ -180,7 +178,7 @@ def _split_tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, comm: Communi
     size = cfg.tensor_parallel.size
     if size == 1:
         return None
-    if cfg.zero_optimization.stage == 3:
+    if stage_class(cfg.zero_optimization.stage).partitions_parameters:
         raise ConfigError("tensor_parallel.autotp_size", f"{size} with zero_optimization."
                           "stage 3: tensor parallelism composes with stages 0-2 only "
                           "(docs/tensor-parallel.md)", value=size)

@@ -13,7 +13,7 @@ Note: client optimizers
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -118,11 +118,6 @@ def retarget_optimizer(optimizer: torch.optim.Optimizer,
     return optimizer
 
 
-def groups_of_client_optimizer(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The client optimizer's groups as dicts of (model parameters, hyperparameters)."""
-    return [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
-
-
 class ZeroOptimizer:
     """What ``initialize`` returns as the optimizer: the torch optimizer over the shards.
 
@@ -174,17 +169,6 @@ class ZeroOptimizer:
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.optimizer!r})"
-
-
-def iter_state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                yield value
-
-
-def unwrap(optimizer: Optional[Any]) -> Optional[torch.optim.Optimizer]:
-    return getattr(optimizer, "optimizer", optimizer)
 
 
 class InferenceOnlyOptimizer(torch.optim.Optimizer):

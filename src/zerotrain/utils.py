@@ -21,8 +21,8 @@ from .checkpoint.consolidate import (convert_zero_checkpoint_to_fp32_state_dict,
 from .comm import get_rank, is_initialized
 from .dataloader import RepeatingLoader
 from .errors import StateError
-from .log import ALL_RANKS
-from .zero3.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+from .core.log import ALL_RANKS
+from .stages.zero3.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
                          set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
                          unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 

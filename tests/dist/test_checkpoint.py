@@ -260,7 +260,7 @@ def test_export_gives_the_full_fp32_model_in_hugging_face_layout(worlds, tmp_pat
     from safetensors.torch import load_file
     from zerotrain.checkpoint import (convert_zero_checkpoint_to_fp32_state_dict,
                                       get_fp32_state_dict_from_zero_checkpoint)
-    from zerotrain.export import consolidate_main
+    from zerotrain.checkpoint.full_weights import consolidate_main
     root = str(tmp_path / "ckpt")
     result = worlds.run(2, _export_job, root)[0]
     assert result["module_only"] == 0.0 and result["counters"] == 0 and result["opt_state"] == 0

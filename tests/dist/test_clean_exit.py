@@ -1,6 +1,6 @@
 """A finished job exits cleanly: no gloo abort at interpreter exit, exit codes kept.
 
-See the Note "exit aborts" in src/zerotrain/teardown.py.
+See the Note "exit aborts" in src/zerotrain/comm/teardown.py.
 """
 import json
 import os
@@ -27,7 +27,7 @@ def test_the_exit_teardown_keeps_the_scripts_exit_status():
     out = _python("""
         import atexit, sys, torch.distributed as dist
         import zerotrain
-        from zerotrain import teardown
+        from zerotrain.comm import teardown
         before = atexit._ncallbacks()
         zerotrain.init_distributed()
         zerotrain.init_distributed()      # adopting the existing group registers nothing more

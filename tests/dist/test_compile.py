@@ -260,7 +260,7 @@ def test_cuda_graphs_are_refused_at_stage_3_only():
     import torch.distributed as dist
 
     import zerotrain
-    from zerotrain.compile import Compilation, CompileSettings
+    from zerotrain.engine.compile import Compilation, CompileSettings
     from zerotrain.errors import ConfigError
     asks = [({"mode": "reduce-overhead"}, r"compile\.mode: 'reduce-overhead'"),
             ({"mode": "max-autotune"}, r"compile\.mode: 'max-autotune'"),

@@ -89,7 +89,7 @@ def _expected_files(stage):
 def test_export_to_deepspeed_continues_as_zerotrain_at_another_world_size(worlds, tmp_path,
                                                                           stage):
     from zerotrain.checkpoint.deepspeed import load_file
-    from zerotrain.export import consolidate_main
+    from zerotrain.checkpoint.full_weights import consolidate_main
     root = str(tmp_path)
     worlds.run(2, _save_job, root)
     assert consolidate_main([os.path.join(root, "zt"), os.path.join(root, "ds"), "--to",
@@ -122,7 +122,7 @@ def test_export_to_deepspeed_refuses_an_unknown_stage_and_a_missing_world_size(t
                                                                                 caplog,
                                                                                 monkeypatch):
     import logging
-    from zerotrain.export import consolidate_main
+    from zerotrain.checkpoint.full_weights import consolidate_main
     monkeypatch.setattr(logging.getLogger("zerotrain"), "propagate", True)
     with pytest.raises(SystemExit):
         consolidate_main([str(tmp_path), str(tmp_path / "o"), "--to", "deepspeed",

@@ -206,7 +206,7 @@ def _flat_runs(rank, world):
     """As on NCCL (Communicator.gathers_flat patched on): each unit gather is one flat
     all-gather carrying the header, counted on the ledger per unit gather."""
     from zerotrain.comm import Communicator
-    from zerotrain.zero3.unit import Unit
+    from zerotrain.stages.zero3.unit import Unit
     gathers_flat, start_gather = Communicator.gathers_flat, Unit.start_gather
     starts = []
 

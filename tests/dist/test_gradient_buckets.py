@@ -3,7 +3,7 @@
 dtype, so bf16 moves half the bytes of fp32); stage 3 overlaps by default and prefetches
 whatever ``overlap_comm`` says."""
 import reference as R
-from zerotrain.buckets import MAX_IN_FLIGHT
+from zerotrain.stages.buckets import MAX_IN_FLIGHT
 
 STEPS = 2
 

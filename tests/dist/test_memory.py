@@ -24,7 +24,7 @@ def _model():
 
 def _measure(rank, world, stages):
     import zerotrain
-    from zerotrain.memory import live_tensor_bytes
+    from zerotrain.core.memory import live_tensor_bytes
     out = {}
     for stage in stages:
         gc.collect()

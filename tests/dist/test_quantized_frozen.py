@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerotrain.quantize import BlockQuantizer
+from zerotrain.core.quantize import BlockQuantizer
 
 import reference as R
 

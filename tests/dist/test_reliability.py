@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.dirname(__file__))
 
 def _soak(rank, world, steps, probes):
     import zerotrain
-    from zerotrain.memory import current_rss_bytes, live_tensor_bytes
+    from zerotrain.core.memory import current_rss_bytes, live_tensor_bytes
     model = R.make_model()
     config = R.engine_config(stage=3, lr=1e-3)
     config["zero_optimization"].update(stage3_param_persistence_threshold=0,

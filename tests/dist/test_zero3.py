@@ -291,7 +291,7 @@ def _state_dict_warning(rank, world, root):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("zerotrain.zero3.stage").addHandler(handler)
+    logging.getLogger("zerotrain.stages.zero3.stage").addHandler(handler)
     try:
         model = R.make_model()
         engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=3))
@@ -307,7 +307,7 @@ def _state_dict_warning(rank, world, root):
                 "gathered": tuple(gathered["hidden.weight"].shape),
                 "empty": tuple(empty["hidden.weight"].shape)}
     finally:
-        logging.getLogger("zerotrain.zero3.stage").removeHandler(handler)
+        logging.getLogger("zerotrain.stages.zero3.stage").removeHandler(handler)
 
 
 def test_state_dict_of_a_partitioned_model_warns_once_that_it_holds_no_weights(worlds, tmp_path):

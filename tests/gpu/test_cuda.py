@@ -205,7 +205,7 @@ def test_gathers_write_into_the_units_full_buffer_on_nccl(tmp_path):
 
 
 INIT_SCRIPT = textwrap.dedent("""
-    from zerotrain.zero3.partition import is_partitioned
+    from zerotrain.stages.zero3.partition import is_partitioned
 
     def run(init):
         config = R.engine_config(stage=3)

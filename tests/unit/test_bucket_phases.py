@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerotrain.buckets import AllReduceGrads, BucketPhase
+from zerotrain.stages.buckets import AllReduceGrads, BucketPhase
 from zerotrain.errors import StateError
-from zerotrain.flat import FlatLayout
+from zerotrain.core.flat import FlatLayout
 
 
 class RecordingComm:

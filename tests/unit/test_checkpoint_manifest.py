@@ -27,7 +27,7 @@ from zerotrain.checkpoint.manifest import (CheckpointError, check_tag, read_mani
 from zerotrain.checkpoint.reshard import source_pieces, target_range
 from zerotrain.checkpoint.stfile import TensorSpec, write_file
 from zerotrain.dataloader import DistributedLoader
-from zerotrain.flat import FlatLayout
+from zerotrain.core.flat import FlatLayout
 
 
 # --------------------------------------------------------------------------- JSON values

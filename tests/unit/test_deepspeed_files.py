@@ -16,7 +16,7 @@ import make_deepspeed_ckpts as M  # noqa: E402
 
 from zerotrain.checkpoint import CheckpointError, get_fp32_state_dict_from_zero_checkpoint
 from zerotrain.checkpoint.deepspeed import DeepSpeedCheckpoint, find_tag_dir, load_file as ds_load
-from zerotrain.export import consolidate_main
+from zerotrain.checkpoint.full_weights import consolidate_main
 
 CASES = [case.name for case in M.CASES]
 FROZEN = {case.name: case.frozen for case in M.CASES}

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 try:
-    import zerotrain.flat  # noqa: F401
+    import zerotrain.core.flat  # noqa: F401
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from zerotrain.flat import FlatLayout
+from zerotrain.core.flat import FlatLayout
 
 SENTINEL = -1.0  # never a parameter value below (they are all >= 1)
 

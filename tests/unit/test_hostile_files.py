@@ -244,7 +244,7 @@ def test_out_of_range_scaler_and_loader_state_is_refused_where_torch_load_takes_
     the loader's next pass); the checkpoint's check refuses them, naming field and file.
     The same edits through a real load on 2 ranks: tests/dist/test_hostile_state.py."""
     from zerotrain.checkpoint.match import check_data_loader, check_loss_scaler
-    from zerotrain.precision import LossScaler
+    from zerotrain.core.precision import LossScaler
 
     live = {"loss_scaler": LossScaler(init_scale=2.0 ** 16, dynamic=True).state_dict(),
             "data_loader": {"epoch": 0, "batches_consumed": 2, "micro_batch_size": 4,

@@ -89,7 +89,7 @@ def test_consolidating_a_record_bigger_than_its_file_fails_before_allocating(tmp
     error, not a 400 GB allocation."""
     import torch
     from zerotrain.checkpoint import iter_fp32_tensors
-    from zerotrain.flat import FlatLayout
+    from zerotrain.core.flat import FlatLayout
     tag = tmp_path / "t"
     tag.mkdir()
     (tmp_path / "latest").write_text("t")

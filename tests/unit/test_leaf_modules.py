@@ -1,12 +1,11 @@
 """DeepSpeed 0.19's leaf-module API and config form (zero3/leaf.py), without processes."""
 import pytest
-import torch
 from torch import nn
 
 import zerotrain.utils as U
 from zerotrain.config import load_config
-from zerotrain.zero3.leaf import apply_leaf_module_config
-from zerotrain.zero3.unit_specs import build_units
+from zerotrain.stages.zero3.leaf import apply_leaf_module_config
+from zerotrain.stages.zero3.unit_specs import build_units
 
 
 class Block(nn.Module):

@@ -2,7 +2,7 @@
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zerotrain.memory import StorageLedger, live_tensor_bytes
+from zerotrain.core.memory import StorageLedger, live_tensor_bytes
 
 
 def test_fake_tensors_left_by_compile_are_not_counted_and_do_not_break_the_count():

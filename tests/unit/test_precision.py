@@ -28,12 +28,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 try:
-    import zerotrain.precision  # noqa: F401
+    import zerotrain.core.precision  # noqa: F401
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from zerotrain.config import FP16Config
-from zerotrain.precision import (DTYPES, LossScaler, NoLossScaling, PrecisionPolicy,
+from zerotrain.core.precision import (DTYPES, LossScaler, NoLossScaling, PrecisionPolicy,
                                  loss_scaling)
 
 O, C = True, False  # overflow, clean step

@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zerotrain.quantize import BlockQuantizer
+from zerotrain.core.quantize import BlockQuantizer
 
 
 @settings(max_examples=40, deadline=None)

@@ -5,12 +5,12 @@ import torch
 
 from test_timers import FakeEvent  # 250 ms of device time per record
 
-from zerotrain.throughput import ThroughputTimer
+from zerotrain.engine.throughput import ThroughputTimer
 
 
 def test_counts_and_rate_from_the_host_clock(monkeypatch):
     clock = iter(range(100))
-    monkeypatch.setattr("zerotrain.throughput.time.perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr("zerotrain.engine.throughput.time.perf_counter", lambda: float(next(clock)))
     timer = ThroughputTimer(batch_size=32, device=torch.device("cpu"), start_step=2)
     assert timer.avg_samples_per_sec() == float("-inf")
     for micro in range(12):                       # accumulation over 3 micro-steps

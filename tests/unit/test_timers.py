@@ -3,7 +3,7 @@ on the CPU. The CUDA side is checked with fake events: nothing may call
 ``torch.cuda.synchronize``, and the breakdown is the events' elapsed time."""
 import torch
 
-from zerotrain.timers import StepTimers
+from zerotrain.engine.timers import StepTimers
 
 
 class FakeEvent:

@@ -2,7 +2,7 @@
 import pytest
 
 from zerotrain.errors import ConfigError
-from zerotrain.topology import Topology, group_of, local_node_entry
+from zerotrain.comm.topology import Topology, group_of, local_node_entry
 
 
 def test_entries_from_torchrun_environment():

@@ -8,7 +8,7 @@ from zerotrain.comm.communicator import Communicator
 from zerotrain.comm.trail import CollectiveTrail
 from zerotrain.estimate.peak import PeakTracker
 from zerotrain.planner import fake_world
-from zerotrain.zero3.gather_check import GatherCheck
+from zerotrain.stages.zero3.gather_check import GatherCheck
 
 
 def test_a_fake_world_turns_the_checks_off_at_the_communicator_not_by_patching():

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zerotrain.zero3 import wire as W
+from zerotrain.stages.zero3 import wire as W
 
 
 class _Work:

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from zerotrain.zero3.init import Init
-from zerotrain.zero3.writes import PartitionedWrites
+from zerotrain.stages.zero3.init import Init
+from zerotrain.stages.zero3.writes import PartitionedWrites
 
 
 class _Sent(Exception):

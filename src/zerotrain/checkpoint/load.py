@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..records import FROZEN
+from ..core.records import FROZEN
 from . import client_state, dcp, deepspeed, fs, rng
 from .deepspeed.universal import UniversalCheckpoint, find_universal_dir
 from .manifest import (LATEST_NAME, CheckpointError, check_tag, file_identity_check,

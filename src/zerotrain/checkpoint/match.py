@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..records import ShardRecord
+from ..core.records import ShardRecord
 from .manifest import CheckpointError
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..flat import FlatLayout, ParamSlot
+from ..core.flat import FlatLayout, ParamSlot
 from .manifest import CheckpointError
 from .stfile import DTYPES_BY_NAME, Reader
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..flat import FlatLayout
-from ..records import ShardRecord
+from ..core.flat import FlatLayout
+from ..core.records import ShardRecord
 from .manifest import COUNTERS, CheckpointError
 
 __all__ = ["COUNTERS", "CheckpointReport", "LoadResult", "ShardOwner", "TrainingState",

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import teardown
+from . import teardown
 from ..errors import CollectiveError  # defined there; importable from here too
-from ..topology import Partition, Topology, group_of, local_node_entry
+from .topology import Partition, Topology, group_of, local_node_entry
 from .communicator import (_SUBGROUPS, Communicator, _all_gather, _coalescing_manager,
                            _describe, _DescribedWork, _drop_coalescing_state, _Launches,
                            _reduce_op, _reduce_scatter)

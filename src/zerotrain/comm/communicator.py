@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from ..topology import Partition, Topology, group_of, local_node_entry
+from .topology import Partition, Topology, group_of, local_node_entry
 from .ledger import CommLedger
 from .setup import group_backends, group_timeout
 

@@ -66,15 +66,8 @@ class CommLedger:
         self.nbytes[op] += nbytes
         self.by_reach[reach][op] += nbytes
 
-    def total_elements(self) -> int:
-        return sum(self.elements.values())
-
     def total_bytes(self) -> int:
         return sum(self.nbytes.values())
-
-    def reach_bytes(self, reach: str) -> int:
-        """Bytes of every operation over groups of that reach (intra_node, cross_node)."""
-        return sum(self.by_reach[reach].values())
 
     def reset(self) -> None:
         self.calls.clear()

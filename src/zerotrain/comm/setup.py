@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .. import teardown
+from . import teardown
 
 logger = logging.getLogger(__name__)
 

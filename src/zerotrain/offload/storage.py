@@ -40,7 +40,7 @@ from typing import ContextManager, Optional, Protocol, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..log import ALL_RANKS
+from ..core.log import ALL_RANKS
 from .plan import OffloadPlan
 from .traffic import nbytes
 from .transfers import Transfers

@@ -22,7 +22,7 @@ from ..errors import ZeroTrainError
 __all__ = ["ALL_OPS", "AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder",
            "CPULionBuilder", "FusedAdamBuilder", "MIN_SWAPPABLE_BYTES", "OpBuilder",
            "compatible_ops", "git_branch", "git_hash", "installed_ops",
-           "required_torch_version", "torch_info", "version"]
+           "required_torch_version", "torch_info", "version"]  # noqa: F822 (module __getattr__)
 
 # The smallest tensor DeepSpeed's aio swapper moves (its MIN_AIO_BYTES, 1 MiB); exported
 # as deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES for the scripts that size models by it.

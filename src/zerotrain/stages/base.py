@@ -11,10 +11,10 @@ from torch import nn
 from ..comm import Communicator
 from ..comm.trail import first_difference
 from ..errors import RankDivergenceError, StateError
-from ..flat import Block
+from ..core.flat import Block
 from ..offload import CopyLedger, Gradients
 from ..offload.traffic import HostTraffic
-from ..records import FROZEN, ShardRecord   # re-exported: the stages' old home of both
+from ..core.records import FROZEN, ShardRecord  # noqa: F401 (re-exported: the stages' old home of both)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,7 @@ class Stage(Protocol):
 
     optimizer: torch.optim.Optimizer
     delays_update: bool   # the update finishes at ``settle`` (offload_optimizer.dpu)
+    partitions_parameters: bool   # parameters are shards between uses (stage 3)
 
     def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
         """Called before each micro-step's backward; ``boundary`` if it ends accumulation.

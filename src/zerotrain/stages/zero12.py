@@ -29,11 +29,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..buckets import GradientBuckets
+from .buckets import GradientBuckets
 from ..comm import Communicator
-from ..flat import Block, FlatLayout
+from ..core.flat import Block, FlatLayout
 from ..offload import Storage
-from ..precision import PrecisionPolicy
+from ..core.precision import PrecisionPolicy
 from .base import BucketedStage, ShardRecord
 
 
@@ -73,6 +73,8 @@ class ShardedDataParallel(BucketedStage):
         a piece is gathered into one buffer and copied out instead
         (``publish_in_place`` False).
     """
+
+    partitions_parameters = False
 
     def __init__(self, groups: Sequence[tuple[list[str], list[nn.Parameter]]], *,
                  comm: Communicator, policy: PrecisionPolicy, plan: ShardPlan,

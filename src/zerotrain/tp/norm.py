@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from ..comm import Communicator
-from ..flat import FlatLayout
+from ..core.flat import FlatLayout
 
 
 class TensorParallelNorm:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..records import ShardRecord
+from ..core.records import ShardRecord
 from .apply import TensorParallelPlan
 from .norm import TensorParallelNorm
 from .split import join_slices

@@ -22,8 +22,8 @@ import torch
 
 from ..comm import Communicator
 from ..comm.mesh import Mesh
-from ..flat import FlatLayout
-from ..records import ShardRecord
+from ..core.flat import FlatLayout
+from ..core.records import ShardRecord
 from .split import SplitSpec, join_slices, local_slice
 
 SpecOf = Callable[[str], Optional[SplitSpec]]

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ...records import FROZEN
+from ...core.records import FROZEN
 from ..consolidate import export_specs, read_full, resolve_checkpoint
 from ..manifest import CheckpointError, file_identity_check, read_manifest
 from ..reshard import SourceIndex

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...records import FROZEN
+from ...core.records import FROZEN
 from ..match import (check_counters, check_group_values, check_loss_scaler, check_scheduler,
                      json_group_values, model_shapes)
 from ..manifest import CheckpointError

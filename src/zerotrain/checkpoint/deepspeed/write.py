@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ...records import FROZEN
+from ...core.records import FROZEN
 from ..consolidate import export_specs, read_full, resolve_checkpoint
 from ..fs import write_latest
 from ..manifest import CheckpointError, file_identity_check, read_manifest

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import torch
 
-from ..offload import Storage
-from ..quantize import SCALE_BYTES, BlockQuantizer
+from ...offload import Storage
+from ...core.quantize import SCALE_BYTES, BlockQuantizer
 from . import partition as P
 
 FROZEN_QUANTIZER = BlockQuantizer(bits=8, block=256, exact_scales=True)

@@ -45,8 +45,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..comm import Communicator
-from ..errors import RankDivergenceError
+from ...comm import Communicator
+from ...errors import RankDivergenceError
 
 HEADER_BYTES = 16
 MAGIC = 0x5A543347   # 'ZT3G'

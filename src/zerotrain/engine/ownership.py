@@ -17,7 +17,7 @@ from typing import Optional
 
 from torch import nn
 
-from .stages.base import Stage
+from ..stages.base import Stage
 
 
 def claim(stage: Stage, module: nn.Module) -> None:

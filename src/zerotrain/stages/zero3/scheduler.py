@@ -82,6 +82,13 @@ class GatherPolicy:
 
 
 class UnitScheduler:
+    """Decides when each unit is gathered and released, from the module hooks' calls
+    (Note: entry points): it holds a unit while its forward, a dependent module or its
+    backward needs it (Note: holders), records the order of the first pass and, following
+    that trace, prefetches the next units within ``policy``'s limits. It also keeps the
+    high-water marks of gathered elements that ``memory_breakdown`` reports.
+    """
+
     def __init__(self, units: list[Unit], policy: GatherPolicy,
                  on_pass: Optional[Callable[[], None]] = None,
                  on_use: Optional[Callable[[int, bool], None]] = None) -> None:

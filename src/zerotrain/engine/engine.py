@@ -39,24 +39,25 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from . import checkpoint, export
-from .comm import Communicator
+from .. import checkpoint
+from ..checkpoint import full_weights as export
+from ..comm import Communicator
 from .compile import Compilation, CompileSettings
-from .config import ZeroTrainConfig
+from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
-from .engine_api import DeepSpeedEngineAPI
-from .engine_reports import EngineReports, reach_totals
-from .errors import ConfigError, NonFiniteGradientError, StateError
+from .api import DeepSpeedEngineAPI
+from .reports import EngineReports, reach_totals
+from ..errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
-from .offload import states as moved_states
-from .optim import InferenceOnlyOptimizer, ZeroOptimizer
-from .optim_kinds import deepspeed_kinds
+from ..offload import states as moved_states
+from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
+from ..optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage
-from .precision import LossScaling, PrecisionPolicy, loss_scaling
-from .stages.base import Stage, StepOutcome
+from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
+from ..stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
 from .timers import StepTimers
-from .utils import gradient_norms_by_group
+from ..utils import gradient_norms_by_group
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._moved = moved_states.StateMover(self.device)   # offload_states / reload_states
         self._auto_cast = ((config.fp16.enabled and config.fp16.auto_cast)
                            or (config.bf16.enabled and config.bf16.auto_cast))
-        if not self.inference_only or config.zero_optimization.stage == 3:
+        if not self.inference_only or stage.partitions_parameters:
             claim(stage, module)   # Note: one open engine per model
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
@@ -446,7 +447,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         empty model.
         """
         zero = self.config.zero_optimization
-        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+        if (self.stage.partitions_parameters
+                and not zero.stage3_gather_16bit_weights_on_model_save):
             raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                               "save_16bit_model at stage 3 gathers the full weights; set it "
                               "to true (or use save_checkpoint and `zerotrain consolidate`)")

@@ -75,9 +75,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .comm import Communicator
-from .errors import StateError
-from .flat import Block, FlatLayout
+from ..comm import Communicator
+from ..errors import StateError
+from ..core.flat import Block, FlatLayout
 
 # In-flight asynchronous reductions before the oldest is waited for (bounds staging memory);
 # without overlap_comm, stage 2 keeps one in flight (Note: releasing buckets).

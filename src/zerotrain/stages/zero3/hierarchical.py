@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..comm import Communicator
-from ..errors import ConfigError
-from ..hierarchy import QuantizedHierarchicalReduceScatter, ReplicatedReduceScatter
+from ...comm import Communicator
+from ...errors import ConfigError
+from ...comm.hierarchy import QuantizedHierarchicalReduceScatter, ReplicatedReduceScatter
 from .wire import SecondaryPartitionWire, UnitWire
 
 

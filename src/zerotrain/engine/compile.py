@@ -5,7 +5,7 @@ Note: what is compiled
     and those run in the autograd engine after a compiled backward has produced the
     gradient, exactly as after an eager one. So the whole module's forward is compiled as
     one function. Stage 3 gathers and releases parameters in forward hooks on its units'
-    modules (``zero3/hooks.py``); traced into a graph, those hooks (collectives, ``.data``
+    modules (``stages/zero3/scheduler.py``); traced into a graph, those hooks (collectives, ``.data``
     swaps) break it or force a recompilation every step. So stage 3 compiles per unit:
     each unit module that contains no other unit module (a transformer block, with the
     default ``stage3_prefetch_bucket_size``) gets a compiled forward, and the hooks that
@@ -54,8 +54,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .errors import CompileError, ConfigError
-from .stages.base import CompileTarget
+from ..errors import CompileError, ConfigError
+from ..stages.base import CompileTarget
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from .checkpoint.save import rank_file
+from ..checkpoint.save import rank_file
 
 # Config optimizer types DeepSpeed names in lower case (its DEEPSPEED_OPTIMIZERS); others,
 # torch's SGD among them, keep their spelling.

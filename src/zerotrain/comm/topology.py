@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 Partition = tuple[tuple[int, ...], ...]
 

@@ -4,14 +4,14 @@ Note: compiled units
     The engine compiles stage 3 per unit (``compile.py``): each unit module with no other
     unit inside gets a compiled forward, and its own hooks, which gather and release the
     unit, run eagerly around it. The modules inside have hooks too (Note: entry points in
-    ``hooks.py``), which only count the nesting depth while the unit is held; traced, they
+    ``scheduler.py``), which only count the nesting depth while the unit is held; traced, they
     would make dynamo specialise each block's graph on its hooks' ids (one graph per
     block). So around each compiled call those hooks are set aside, when every unit they
     serve is one the compiled module holds itself.
 
 Note: one stage-3 step
     Forward and backward gather each unit just before use and release it after
-    (``hooks.py``). Each parameter's gradient goes, from its post-accumulate hook, into its
+    (``scheduler.py``). Each parameter's gradient goes, from its post-accumulate hook, into its
     unit's reduce-scatter block (``buckets.ReduceScatterEveryMicroStep``, one block per unit
     and optimizer group, launched as soon as a unit's gradients are complete), so a rank only
     ever keeps its shard of the summed gradient. The step is stage 2's: average, global
@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from ..buckets import ReduceScatterEveryMicroStep
-from ..comm import Communicator
-from ..offload import Storage
-from ..precision import PrecisionPolicy
-from ..stages.base import FROZEN, BucketedStage, CompileTarget, ShardRecord
+from ...comm import Communicator
+from ...offload import Storage
+from ...core.precision import PrecisionPolicy
+from ..base import FROZEN, BucketedStage, CompileTarget, ShardRecord
 from . import partition as P
 from .gather_check import STEP
 from .hierarchical import build_groups
-from .hooks import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
+from .scheduler import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
 from .init import GatheredParameters
 from .leaf import apply_leaf_module_config
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 class PartitionedDataParallel(BucketedStage):
     """Stage 3 over ``module``; parameters outside forward/backward are empty tensors."""
+
+    partitions_parameters = True
 
     def __init__(self, module: nn.Module, groups: Sequence[list[nn.Parameter]], *,
                  comm: Communicator, policy: PrecisionPolicy, zero_config,

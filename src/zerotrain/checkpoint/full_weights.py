@@ -17,10 +17,10 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
-from .checkpoint import (CheckpointError, convert_zero_checkpoint_to_fp32_state_dict,
+from . import (CheckpointError, convert_zero_checkpoint_to_fp32_state_dict,
                          get_fp32_state_dict_from_zero_checkpoint)
-from .checkpoint.stfile import TensorSpec, write_file
-from .comm import Communicator
+from .stfile import TensorSpec, write_file
+from ..comm import Communicator
 
 __all__ = ["FullWeights", "consolidate_main", "convert_zero_checkpoint_to_fp32_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "save_16bit_model"]
@@ -71,11 +71,11 @@ def consolidate_main(argv: Optional[list[str]] = None) -> int:
         parser.error("--stage and --world-size go together with --to deepspeed, and it needs both")
     try:
         if args.to == "deepspeed":
-            from .checkpoint.deepspeed.write import export_deepspeed
+            from .deepspeed.write import export_deepspeed
             written = export_deepspeed(args.checkpoint_dir, args.output_dir, stage=args.stage,
                                        world_size=args.world_size, tag=args.tag)
         elif args.to == "dcp":
-            from .checkpoint.dcp import export_dcp
+            from .dcp import export_dcp
             written = export_dcp(args.checkpoint_dir, args.output_dir, tag=args.tag)
         else:
             written = convert_zero_checkpoint_to_fp32_state_dict(

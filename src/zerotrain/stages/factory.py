@@ -8,19 +8,38 @@ import torch
 from torch import nn
 
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
-from .comm import Communicator
-from .errors import ConfigError
-from .offload import (DeviceStorage, OffloadPlan, Transfers, build_param_storage, build_storage,
-                      build_updater, place_masters)
-from .precision import PrecisionPolicy
+from ..comm import Communicator
+from ..errors import ConfigError
+from ..offload import (DeviceStorage, OffloadPlan, Transfers, build_param_storage, build_storage,
+                       build_updater, place_masters)
+from ..core.precision import PrecisionPolicy
+from .zero3.init import unpartition
 from .zero3.stage import PartitionedDataParallel
-from .stages.base import Stage, StepOutcome
-from .stages.zero12 import ShardedDataParallel, ShardPlan
+from .base import Stage, StepOutcome
+from .zero12 import ShardedDataParallel, ShardPlan
 
-__all__ = ["Stage", "StepOutcome", "build_stage"]
+__all__ = ["Stage", "StepOutcome", "adopt", "build_stage", "stage_class"]
 
 _GRAD_REDUCTION = {0: AllReduceGrads, 1: ReduceScatterAtBoundary,
                    2: ReduceScatterEveryMicroStep}
+
+
+def stage_class(stage: int) -> type:
+    """The class of ``zero_optimization.stage``'s object, for what is asked of a stage
+    before it exists (``partitions_parameters``); ConfigError for a stage that does not
+    exist."""
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_optimization.stage", f"stage {stage} does not exist; use 0-3",
+                          value=stage)
+    return PartitionedDataParallel if stage == 3 else ShardedDataParallel
+
+
+def adopt(stage: int, module: nn.Module, comm: Communicator) -> None:
+    """Bring a model to the form ``stage`` trains before its stage object is built: a stage
+    that trains full parameters gathers those ``zero.Init`` partitioned (collective); stage
+    3 keeps them partitioned."""
+    if not stage_class(stage).partitions_parameters:
+        unpartition(module.parameters(), comm)
 
 
 def build_stage(stage: int, *, module: nn.Module,
@@ -40,9 +59,7 @@ def build_stage(stage: int, *, module: nn.Module,
     tensors per group; ``host_step`` comes from the storage, so the offload configuration
     is read once, here.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError("zero_optimization.stage", f"stage {stage} does not exist; use 0-3",
-                          value=stage)
+    stage_class(stage)   # ConfigError for a stage that does not exist
     offload = OffloadPlan.from_config(zero_config)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     transfers = Transfers(device)   # issues and counts host <-> device copies

@@ -40,9 +40,9 @@ from typing import ContextManager, Iterator, Sequence
 
 import torch
 
-from ..comm import Communicator
-from ..flat import FlatLayout
-from ..hierarchy import PendingGather, QuantizedAllGather
+from ...comm import Communicator
+from ...core.flat import FlatLayout
+from ...comm.hierarchy import PendingGather, QuantizedAllGather
 from .gather_check import GatherCheck, HostLaunches, start_checked
 
 NO_BUCKET_LIMIT = 1 << 62  # one block per layout: a unit is one launch

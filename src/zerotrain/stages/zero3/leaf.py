@@ -19,7 +19,7 @@ Note: leaf modules
 from __future__ import annotations
 
 import logging
-from typing import Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 

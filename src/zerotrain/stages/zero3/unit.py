@@ -33,7 +33,7 @@ Note: freed storage
     right values again. This is FSDP2's scheme (``_fsdp_param.py``, ``free_storage`` and
     ``alloc_storage``); it makes what autograd saves cost nothing between a unit's forward
     and its backward. Nothing may read a saved view while its unit is released: the hooks
-    (``hooks.py``) gather a unit before its backward starts and release it only once every
+    (``scheduler.py``) gather a unit before its backward starts and release it only once every
     use in backward is done.
 """
 from __future__ import annotations
@@ -44,11 +44,11 @@ from typing import Optional
 
 import torch
 
-from ..comm import Communicator
-from ..errors import StateError
-from ..flat import FlatLayout
-from ..offload import Storage
-from ..precision import PrecisionPolicy
+from ...comm import Communicator
+from ...errors import StateError
+from ...core.flat import FlatLayout
+from ...offload import Storage
+from ...core.precision import PrecisionPolicy
 from . import partition as P
 from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec
@@ -72,6 +72,16 @@ class GroupSlice:
 
 
 class Unit:
+    """One unit of stage 3 on this rank: a group of parameters gathered and released
+    together, with its shards (``master``, ``shard``, ``frozen``) and its ``full`` buffer
+    (Note: unit tensors).
+
+    It moves RELEASED -> GATHERING -> GATHERED -> RELEASED and counts its holders; when to
+    move is the :class:`~zerotrain.stages.zero3.scheduler.UnitScheduler`'s call, how the
+    bytes travel is :mod:`~zerotrain.stages.zero3.wire`'s. Its gradients leave through the
+    stage's buckets, one column of ``master`` per optimizer group.
+    """
+
     def __init__(self, spec: UnitSpec, *, comm: Communicator, policy: PrecisionPolicy,
                  group_of: dict[int, Optional[int]], device: torch.device,
                  storage: Storage, shard_storage: Storage,
@@ -95,7 +105,7 @@ class Unit:
             self.shard = shard_storage.zeros(self.shard_numel, policy.param_dtype)
             self.shard.copy_(self.master)
         self.state = UnitState.RELEASED
-        self._holders = 0   # Note: holders in hooks.py
+        self._holders = 0   # Note: holders in scheduler.py
         self._pending = None
         for p in spec.params:  # the unit's shard is the source of truth from now on
             p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
@@ -198,7 +208,7 @@ class Unit:
 
     # ------------------------------------------------------------------ holders
     def hold(self) -> None:
-        """One more holder keeps the unit gathered (Note: holders in hooks.py)."""
+        """One more holder keeps the unit gathered (Note: holders in scheduler.py)."""
         self._holders += 1
 
     @property

@@ -29,8 +29,8 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from ..comm import Communicator, init_distributed
-from ..errors import StateError
+from ...comm import Communicator, init_distributed
+from ...errors import StateError
 from . import partition as P
 from .writes import PartitionedWrites, bound_initializers, skipped_by_transformers
 

@@ -30,8 +30,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .comm import Communicator
-from .quantize import BlockQuantizer
+from .communicator import Communicator
+from ..core.quantize import BlockQuantizer
 
 QWZ = BlockQuantizer(bits=8, block=256)   # parameters: int8 blocks (ZeRO++ qwZ)
 QGZ = BlockQuantizer(bits=4, block=256)   # gradients: int4 blocks (ZeRO++ qgZ)

@@ -129,7 +129,7 @@ ALIASES.update({
     "deepspeed.runtime.zero.leaf_module_config": "zerotrain.config.zero",
 })
 _FORWARDED_DUNDERS = frozenset({"__all__", "__compatible_ops__"})  # others: the alias's
-_GUIDE = "see the README section 'Moving a DeepSpeed script' for what zerotrain provides"
+_GUIDE = "see docs/from-deepspeed.md, 'The API, name by name', for what zerotrain provides"
 
 
 def _deepspeed_version_part(index: int) -> int:

@@ -384,7 +384,7 @@ def _reduce_with_fingerprint(sq: torch.Tensor, comm: Communicator,
             f"({first_difference(trails)}). A rank took another path: a forward on some "
             "ranks only, an exception caught in the middle of backward, a module or "
             "engine call skipped on one rank. Every rank must run the same forwards, "
-            "backwards and steps; see \"Ranks that take different paths\" in the README")
+            "backwards and steps; see docs/divergence.md")
     trail.restart()
     return wire[:1] if sharded else sq
 

@@ -167,7 +167,8 @@ def test_segments_leave_room_for_the_primary_and_the_secondary_gather():
     from types import SimpleNamespace
 
     from zerotrain.stages.zero3.wire import SecondaryPartitionWire, UnitWire
-    primary, secondary = SimpleNamespace(world_size=2), SimpleNamespace(world_size=3)
+    primary = SimpleNamespace(world_size=2, carries_data=True)
+    secondary = SimpleNamespace(world_size=3, carries_data=True)
     sizes = (0, 1, 4, 5, 7)
     assert [UnitWire(primary).padded_numel(n) for n in sizes] == [0, 2, 4, 6, 8]
     wire = SecondaryPartitionWire(primary, secondary)

@@ -37,6 +37,11 @@ def test_short_demo_trains_on_two_processes_and_writes_its_report(tmp_path):
     assert "step 6/6" in done.stderr  # rank 0's progress bar
     assert f"Output folder: {out_dir.resolve()}" in done.stdout
     assert "rank 0" in done.stdout and "rank 1" in done.stdout  # memory gathered from both
+    # the last step's measured peak on both ranks, the planner's beside it (traced on rank 0)
+    measured = re.search(r"peak of the last step +- +([0-9.]+) +([0-9.]+)", done.stdout)
+    predicted = re.search(r"predicted \(planner\) +- +([0-9.]+) +-", done.stdout)
+    assert measured and predicted, done.stdout + done.stderr
+    assert abs(float(predicted.group(1)) / float(measured.group(1)) - 1) <= 0.05, done.stdout
     rows = list(csv.DictReader(open(out_dir / "loss.csv", encoding="utf-8")))
     assert [row["step"] for row in rows] == [str(step) for step in range(7)]
     assert (out_dir / "sample.txt").read_text(encoding="utf-8").startswith("def ")
@@ -106,3 +111,17 @@ def test_report_says_why_freed_gradient_shards_read_zero(tmp_path, monkeypatch):
     assert "gradients read 0 because their shards are freed" in text
     results["memory"] = [{"parameters": 400, "gradients": 200, "optimizer_state": 400}] * 2
     assert "gradients read 0" not in " ".join(write_report(results, **args).split())
+
+
+def test_report_shows_the_measured_peak_beside_the_predicted_one(tmp_path, monkeypatch):
+    from zerotrain.demo.report import write_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    results = _results(gradients=200)
+    results["memory"] = [{**results["memory"][0], "peak_measured": 2_000_000,
+                          "peak_predicted": 2_050_000}, {**results["memory"][1],
+                                                         "peak_measured": 2_010_000}]
+    text = write_report(results, config=default_config(stage=2, steps=2, micro_batch=1),
+                        out_dir=tmp_path, launched_at=0.0, finished_at=3.0)
+    assert re.search(r"peak of the last step +- +2\.00 +2\.01", text), text
+    assert re.search(r"predicted \(planner\) +- +2\.05 +-", text), text

@@ -83,6 +83,11 @@ def _memory_lines(results: dict, config: dict) -> list[str]:
             formula = (f"{per_param}Ψ{'/N' if sharded else ''} = {nbytes / 1e6:.2f}"
                        + (" (+fp32 accum)" if key == "grads" and extra else ""))
         rows.append([category, formula] + [f"{m.get(category, 0) / 1e6:.2f}" for m in ranks])
+    for key, name in (("peak_measured", "peak of the last step"),
+                      ("peak_predicted", "  predicted (planner)")):
+        if any(key in m for m in ranks):
+            rows.append([name, "-"] + [f"{m[key] / 1e6:.2f}" if key in m else "-"
+                                       for m in ranks])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     table = ["  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                               for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

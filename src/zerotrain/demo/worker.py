@@ -12,6 +12,8 @@ Note: lockstep
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import sys
@@ -23,6 +25,7 @@ import torch
 
 import zerotrain
 from zerotrain.errors import ConfigError
+from zerotrain.planner import PlanError, predict_engine_peak
 from .data import Corpus, load_corpus
 from .model import GPT, GPTConfig, generate
 
@@ -113,22 +116,38 @@ def _train_loop(engine: Any, corpus: Corpus, settings: DemoSettings, history: di
     while engine.global_steps < settings.steps:
         step_start = time.perf_counter()
         losses = []
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = corpus.train_batch(micro, block, generator)
-            loss = engine(x.to(engine.device), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            losses.append(_mean_loss(engine, loss))
+        # the last step's peak, measured (opt-in: it checks after every operation) for the
+        # memory table, beside the planner's prediction
+        last = engine.global_steps == settings.steps - 1
+        with engine.measure_peak() if last else contextlib.nullcontext():
+            for _ in range(engine.gradient_accumulation_steps()):
+                x, y = corpus.train_batch(micro, block, generator)
+                loss = engine(x.to(engine.device), y.to(engine.device))
+                engine.backward(loss)
+                engine.step()
+                losses.append(_mean_loss(engine, loss))
         step, step_s = engine.global_steps, time.perf_counter() - step_start
         history["train"].append((step, sum(losses) / len(losses), time.perf_counter() - started))
         progress.update(step, history["train"][-1][1], tokens_per_step / step_s, step_s)
         if step == settings.steps:  # the training state the ZeRO formula describes
+            if engine.global_rank == 0:   # the same on every rank: traced once
+                _predict_peak(engine, settings, (x, y))
             history["memory"] = engine.comm.all_gather_object(engine.memory_breakdown())
         if step % settings.eval_every == 0 or step == settings.steps:
             history["val"].append((step, _evaluate(engine, corpus, block)))
     history["train_seconds"] = time.perf_counter() - started
     history["train_cpu_seconds"] = time.process_time() - cpu_started  # this rank's CPU time
     history["tokens_per_step"] = tokens_per_step
+
+
+def _predict_peak(engine: Any, settings: DemoSettings, batch: tuple) -> None:
+    """The planner's peak of a step of this run (``engine.memory_breakdown()`` reports it);
+    a model the planner cannot trace leaves the table without it, and says why."""
+    try:
+        predict_engine_peak(engine, functools.partial(GPT, settings.model), batch,
+                            settings.config)
+    except PlanError as exc:
+        print(f"no predicted peak: {exc}", file=sys.stderr)
 
 
 def _checkpoint(engine: Any, out_dir: str) -> Optional[str]:

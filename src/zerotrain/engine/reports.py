@@ -8,9 +8,13 @@ out of the engine's training logic. The mixin reads what the engine sets in ``__
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
+
+import torch
 
 from ..core.memory import StorageLedger
+from ..estimate.peak import PeakTracker
 
 
 class EngineReports:
@@ -41,7 +45,8 @@ class EngineReports:
         figures that are not held now: gathered_after_forward, the bytes of gathered
         parameters kept from the end of the last forward to its backward (the prefetch
         window; what autograd saved of them holds no memory), and
-        peak_gathered_after_forward, the highest so far.
+        peak_gathered_after_forward, the highest so far. Once measured or predicted (Note
+        in :meth:`measure_peak`), peak_measured and peak_predicted: the peak of a step.
 
         Counts distinct storages, so views of one flat buffer count once.
         """
@@ -54,7 +59,28 @@ class EngineReports:
             if tensors:
                 ledger.add(category, tensors)
         ledger.add("buffers", list(self.module.buffers()))
-        return {**ledger.bytes, **self.stage.memory_peaks()}
+        out = {**ledger.bytes, **self.stage.memory_peaks()}
+        for key in ("peak_measured", "peak_predicted"):   # see measure_peak()
+            if getattr(self, "_" + key, None) is not None:
+                out[key] = getattr(self, "_" + key)
+        return out
+
+    @contextlib.contextmanager
+    def measure_peak(self) -> Iterator[None]:
+        """Measure the peak of live tensor storages on this rank over the steps run inside
+        (what the engine holds when it opens, plus every storage an operation makes);
+        ``memory_breakdown()`` then reports it as peak_measured, the highest so far. Why
+        opt-in: it checks the live bytes after every operation, which slows the steps; the
+        planner predicts the same figure (``zerotrain.planner.predict_engine_peak``, which
+        sets peak_predicted)."""
+        tracker = PeakTracker()
+        held = [t for ts in self.stage.tensors_by_category().values() for t in ts
+                if isinstance(t, torch.Tensor)]
+        with tracker:
+            tracker.add_existing(list(self.module.parameters()) + list(self.module.buffers())
+                                 + held)
+            yield
+        self._peak_measured = max(tracker.peak, getattr(self, "_peak_measured", None) or 0)
 
     def communication_breakdown(self) -> dict[str, Any]:
         """Bytes this rank's collectives carried since the last call, by reach and operation:

@@ -1,6 +1,6 @@
 """Models built under ``zero.Init`` start from the values of plain construction with the
 same seed, whichever way their weights are initialised: transformers 5.x's own table of
-torch init functions (GPT-2, Llama, tied embeddings; the constructor, ``from_config`` and
+torch init functions (GPT-2, Llama, tied embeddings, a padding index; the constructor, ``from_config`` and
 ``from_pretrained``), in-place calls on a parameter or its ``.data``; a full value assigned
 to ``.data`` after partitioning is refused by name."""
 import pytest
@@ -17,6 +17,12 @@ def _configs():
                                           num_hidden_layers=2, num_attention_heads=2,
                                           num_key_value_heads=1, max_position_embeddings=16,
                                           tie_word_embeddings=True),
+        # an embedding with a padding index: transformers zeroes weight[padding_idx]
+        "llama_pad": transformers.LlamaConfig(vocab_size=64, hidden_size=32,
+                                              intermediate_size=48, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=1,
+                                              max_position_embeddings=16, pad_token_id=5,
+                                              tie_word_embeddings=True),
     }
 
 
@@ -46,7 +52,8 @@ def _compare(rank, world, tmp):
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     out = {}
     for kind, config in _configs().items():
-        cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[kind]
+        cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+               "llama_pad": transformers.LlamaForCausalLM}[kind]
         torch.manual_seed(0)
         plain = cls(config)
         plain.save_pretrained(f"{tmp}/{kind}")

@@ -32,7 +32,8 @@ from torch import nn
 from ...comm import Communicator, init_distributed
 from ...errors import StateError
 from . import partition as P
-from .writes import PartitionedWrites, bound_initializers, skipped_by_transformers
+from .writes import (PartitionedWrites, bound_initializers, per_module_initializers,
+                     skipped_by_transformers)
 
 _state = threading.local()
 _MISSING = object()
@@ -101,6 +102,8 @@ class Init:
             self._patch(owner, name, original)
         for owner, name, original in list(bound_initializers()):  # Note: every init path
             self._patch(owner, name, self._wrap_initializer(original))
+        for owner, name, original in list(per_module_initializers()):
+            self._patch(owner, name, self._wrap_module_step(original))
         self._writes = PartitionedWrites(self._run_on_full)
         self._writes.__enter__()
         return self
@@ -146,6 +149,21 @@ class Init:
                 del depth[id(module)]
                 self._partition_module(module)
         return init
+
+    def _wrap_module_step(self, original):
+        """transformers' per-module init step, run on the module's own parameters gathered
+        (every rank keeps rank 0's values), so writes through an index reach the full value."""
+        @functools.wraps(original)
+        def step(model, module: nn.Module, *args, **kwargs):
+            params = [p for p in module.parameters(recurse=False) if P.is_partitioned(p)]
+            if not params:
+                return original(model, module, *args, **kwargs)
+            with GatheredParameters(params, modifier_rank=0):
+                result = original(model, module, *args, **kwargs)
+            for param in params:
+                self._writes.register(param)
+            return result
+        return step
 
     def _wrap_initializer(self, original):
         @functools.wraps(original)

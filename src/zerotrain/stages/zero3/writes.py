@@ -82,6 +82,18 @@ def skipped_by_transformers() -> Iterator[tuple[Any, str, Callable]]:
         yield pretrained, "init_weights", _hf_init_weights
 
 
+def per_module_initializers() -> Iterator[tuple[Any, str, Callable]]:
+    """(owner, name, original) for transformers' per-module init step
+    (``PreTrainedModel._initialize_weights``), when transformers is imported. Some of its
+    writes go through an index of the parameter (``init.zeros_(weight[padding_idx])`` for an
+    embedding with a padding index), which no path above can see on an empty placeholder;
+    ``Init`` runs each step on the module's gathered parameters instead."""
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    original = None if pretrained is None else pretrained.__dict__.get("_initialize_weights")
+    if callable(original):
+        yield pretrained, "_initialize_weights", original
+
+
 def _hf_init_weights(model: Any) -> None:
     """``PreTrainedModel.init_weights`` as transformers defines it: initialise (each module
     once, flagged ``_is_hf_initialized``), then tie; the modules' later rank-0 pass then

@@ -1,6 +1,7 @@
 """Asynchronous checkpoint save: a snapshot that training cannot disturb, one save in flight,
 errors on every rank, exit waits, and a kill during the background write leaves the
 previous tag as ``latest`` (real SIGKILL, fresh processes)."""
+import contextlib
 import os
 
 import pytest
@@ -64,26 +65,35 @@ def test_async_save_holds_the_state_at_the_call_and_resumes_exactly(worlds, tmp_
         assert res["latest"] == "second" and res["left"] == ["first", "latest", "second"], res
 
 
+@contextlib.contextmanager
+def _disk_full(on):
+    """Where ``on``: every rank file written inside fails as a full disk does."""
+    from zerotrain.checkpoint import save
+    real = save._write_rank_file
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    if on:
+        save._write_rank_file = broken
+    try:
+        yield
+    finally:
+        save._write_rank_file = real
+
+
 def _failing_job(rank, world, root):
-    from zerotrain.checkpoint import CheckpointError, save
+    from zerotrain.checkpoint import CheckpointError
     engine = _engine(1)
     _train(engine, rank, 0, 1)
     engine.save_checkpoint(root, tag="good", async_save=True)
     engine.wait_for_checkpoint()
-    real = save._write_rank_file
-    if rank == 1:
-        def broken(*args, **kwargs):
-            raise OSError(28, "No space left on device")
-        save._write_rank_file = broken
-    try:
+    with _disk_full(on=rank == 1):
         engine.save_checkpoint(root, tag="bad", async_save=True)
         try:
             engine.wait_for_checkpoint()
             message = None
         except CheckpointError as exc:
             message = str(exc)
-    finally:
-        save._write_rank_file = real
     engine.comm.barrier()
     return {"message": message, "latest": open(os.path.join(root, "latest")).read(),
             "left": sorted(n for n in os.listdir(root) if not n.startswith(".tmp-"))}
@@ -100,7 +110,7 @@ def test_a_failed_background_write_raises_on_every_rank_and_publishes_nothing(wo
 def _close_job(rank, world, root):
     """``close()`` with a save in flight: it returns once the tag is published; with a
     failed one it raises naming the tag and still closes the engine."""
-    from zerotrain.checkpoint import CheckpointError, save
+    from zerotrain.checkpoint import CheckpointError
     engine = _engine(2)
     _train(engine, rank, 0, 1)
     _slow_markers()
@@ -111,20 +121,13 @@ def _close_job(rank, world, root):
         published = open(os.path.join(root, "latest")).read()
         failing = _engine(2, seed=1)
         _train(failing, rank, 0, 1)
-        real = save._write_rank_file
-        if rank == 0:
-            def broken(*args, **kwargs):
-                raise OSError(28, "No space left on device")
-            save._write_rank_file = broken
-        try:
+        with _disk_full(on=rank == 0):
             failing.save_checkpoint(root, tag="doomed", async_save=True)
             try:
                 failing.close()
                 message = None
             except CheckpointError as exc:
                 message = str(exc)
-        finally:
-            save._write_rank_file = real
     finally:
         _fast_markers()
     return {"in_flight": in_flight, "published": published, "message": message,

@@ -66,6 +66,18 @@ def adamw(params, lr: float = 1e-2, weight_decay: float = 0.01) -> torch.optim.A
                              weight_decay=weight_decay)
 
 
+def summed_gradients(model: TinyNet, step: int, world: int) -> list[torch.Tensor]:
+    """Each rank's micro-batch 0 of ``step`` run in turn, gradients summed in rank order
+    (bitwise what the ranks' reduction adds up), one tensor per parameter."""
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    for rank in range(world):
+        model.zero_grad(set_to_none=True)
+        model(*micro_batch(step, rank, 0)).backward()
+        for g, p in zip(grads, model.parameters()):
+            g.add_(p.grad)
+    return grads
+
+
 def reference_accumulate(*, steps: int, world: int, ga: int, clip: float = 0.0,
                          lr: float = 1e-2, micro_size: int = 4) -> dict[str, torch.Tensor]:
     model = make_model()

@@ -154,12 +154,7 @@ def _reference_with_third_gradient(world: int) -> tuple[dict, dict, dict]:
     model = R.make_model()
     opt = R.adamw(model.parameters())
     for step in range(3):
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(world):
-            model.zero_grad(set_to_none=True)
-            model(*R.micro_batch(step, rank, 0)).backward()
-            for g, p in zip(grads, model.parameters()):
-                g.add_(p.grad)
+        grads = R.summed_gradients(model, step, world)
         if step == 2:
             break
         for p, g in zip(model.parameters(), grads):

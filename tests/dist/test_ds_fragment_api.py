@@ -73,12 +73,7 @@ def _reference(world: int) -> tuple[dict, list]:
     model = R.make_model()
     opt = R.adamw(model.parameters())
     for step in range(2):
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(world):
-            model.zero_grad(set_to_none=True)
-            model(*R.micro_batch(step, rank, 0)).backward()
-            for g, p in zip(grads, model.parameters()):
-                g.add_(p.grad)
+        grads = R.summed_gradients(model, step, world)
         if step == 0:
             norms = [torch.linalg.vector_norm(torch.cat([g.reshape(-1) / world for g in grads]))]
         for i, (p, g) in enumerate(zip(model.parameters(), grads)):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -11,7 +11,6 @@ from torch import nn
 from ..comm import Communicator
 from ..comm.trail import first_difference
 from ..errors import RankDivergenceError, StateError
-from ..core.flat import Block
 from ..offload import CopyLedger, Gradients
 from ..offload.traffic import HostTraffic
 from ..core.records import FROZEN, ShardRecord  # noqa: F401 (re-exported: the stages' old home of both)
@@ -143,34 +142,58 @@ class NormSpan(Protocol):
         """fp32 scalar tensor (1 element)."""
 
 
+@dataclass(slots=True)
+class RecordArrivals:
+    """The records whose gradient became final in the boundary micro-step, in the order
+    they did, with each one's squared norm (Note: records as buckets complete)."""
+
+    squares: dict[int, torch.Tensor] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
+
+    def restart(self) -> None:
+        """A new boundary backward: nothing has arrived."""
+        self.squares = {}
+        self.order = []
+
+    def add(self, g: int, square: torch.Tensor) -> None:
+        self.squares[g] = square
+        self.order.append(g)
+
+    def forget_square(self, g: int) -> None:
+        """Record g's gradient was rewritten: its square is stale (the step retakes it)."""
+        self.squares.pop(g, None)
+
+    def step_order(self, count: int) -> list[int]:
+        """All ``count`` records: those that arrived, in arrival order, then the rest."""
+        arrived = self.order
+        return arrived + [k for k in range(count) if k not in set(arrived)]
+
+
 class BucketedStage:
     """What the stages share once gradients live in ``self.buckets``: the boundary flag,
     clearing, and the step (``prepare_gradients``, the update, then publishing).
 
-    A subclass sets ``buckets``, ``optimizer``, ``comm``, ``sharded`` (whether the
-    optimizer's shards differ between ranks), ``storage`` (where masters live) and
-    ``updater`` (``offload.build_updater``: how they are stepped); it implements
-    ``shard_records`` (one record per bucket layout, in the same order) and
-    ``publish_record`` (record k's master to the module's parameters; collective). Once
-    its buckets exist it calls ``watch_buckets``.
+    A subclass sets ``optimizer``, ``comm``, ``sharded`` (whether the optimizer's shards
+    differ between ranks), ``storage`` (where masters live), ``updater``
+    (``offload.build_updater``: how they are stepped), ``arrivals`` (a fresh
+    :class:`RecordArrivals`) and then ``buckets``, built with
+    ``on_reduced=self.record_reduced``; it implements ``shard_records`` (one record per
+    bucket layout, in the same order) and ``publish_record`` (record k's master to the
+    module's parameters; collective).
 
     Note: records as buckets complete
         In the boundary micro-step, as each record's last bucket is reduced, its squared
         norm is taken on the device and, when offloading, its copy to the host starts
         (``updater.stream``); the step then only sums the squares and waits for the
-        copies it needs, record by record, in the order the records completed.
+        copies it needs, record by record, in the order the records completed. The
+        buckets call :meth:`record_reduced`, a bound method rather than an object holding
+        the norm, because ``grad_norm`` may be set after construction (tensor parallelism).
     """
 
     _boundary = True
     data_parallel_world: Optional[int] = None   # ranks averaged over, if not comm's (MiCS)
     grad_norm: Optional[NormSpan] = None   # the norm over a wider group (tensor parallel)
-
-    def watch_buckets(self) -> None:
-        """Follow bucket completion (Note: records as buckets complete)."""
-        self._squares: dict[int, torch.Tensor] = {}
-        self._blocks_left: dict[int, int] = {}
-        self._arrived: list[int] = []   # records in the order they completed
-        self.buckets.on_reduced = self._on_block_reduced
+    arrivals: RecordArrivals
 
     @property
     def reduces_every_micro_step(self) -> bool:
@@ -188,20 +211,14 @@ class BucketedStage:
             boundary = False
         self._boundary = boundary
         if boundary and not self.buckets.active:
-            self._squares = {}
-            self._arrived = []
-            self._blocks_left = {g: len(layout.blocks)
-                                 for g, layout in enumerate(self.buckets.layouts)}
+            self.arrivals.restart()
 
-    def _on_block_reduced(self, g: int, block: Block) -> None:
-        self._blocks_left[g] -= 1
-        if self._blocks_left[g]:
-            return
-        shard = self.buckets.reduced_shard(g)
-        self._squares[g] = (self.grad_norm.square(g, self.buckets.layouts[g], shard)
-                            if self.grad_norm is not None else
-                            torch.linalg.vector_norm(shard, dtype=torch.float32).square())
-        self._arrived.append(g)
+    def record_reduced(self, g: int, shard: torch.Tensor) -> None:
+        """The buckets' ``on_reduced``: record g's reduced ``shard`` is final for this
+        window (Note: records as buckets complete)."""
+        self.arrivals.add(g, self.grad_norm.square(g, self.buckets.layouts[g], shard)
+                          if self.grad_norm is not None else
+                          torch.linalg.vector_norm(shard, dtype=torch.float32).square())
         self.updater.stream(g, shard, self.data_parallel_world or self.comm.world_size)
 
     def finish_backward(self) -> None:
@@ -211,7 +228,7 @@ class BucketedStage:
         """Group g's reduced gradient was written from outside (``utils.safe_set_*_grad``):
         its squared norm taken on arrival is stale and a copy streamed to the host, or a
         step speculated from it, must not be used."""
-        getattr(self, "_squares", {}).pop(g, None)
+        self.arrivals.forget_square(g)
         self.updater.forget()
 
     def zero_grad(self) -> None:
@@ -226,7 +243,7 @@ class BucketedStage:
         grads = prepare_gradients(records, summed, comm=self.comm, sharded=self.sharded,
                                   grad_scale=grad_scale, clip=clip,
                                   wire=[self.buckets.exact_dtype(i) for i in range(len(records))],
-                                  squares=getattr(self, "_squares", {}),
+                                  squares=self.arrivals.squares,
                                   average_over=self.data_parallel_world,
                                   norm=self.grad_norm)
         if isinstance(grads, StepOutcome):   # inf/nan: nothing is stepped
@@ -235,10 +252,9 @@ class BucketedStage:
             return grads
         # the update (offload/updater.py: on the device, or record by record on the host,
         # in the order the records completed, the same on every rank)
-        arrived = getattr(self, "_arrived", [])
-        order = arrived + [k for k in range(len(records)) if k not in set(arrived)]
         self.updater.step([r.master for r in records], grads.gradients,
-                          publish=self.publish_record, order=order)
+                          publish=self.publish_record,
+                          order=self.arrivals.step_order(len(records)))
         if not self.updater.delayed:
             self.finish_publish()
         self.zero_grad()

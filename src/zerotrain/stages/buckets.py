@@ -83,6 +83,10 @@ from ..core.flat import Block, FlatLayout
 # without overlap_comm, stage 2 keeps one in flight (Note: releasing buckets).
 MAX_IN_FLIGHT = 2
 
+# Told, during the boundary micro-step, that group g's reduced shard (the tensor) is final
+# for this accumulation window: ``BucketedStage.record_reduced`` (stages/base.py).
+OnRecordReduced = Callable[[int, torch.Tensor], None]
+
 
 class BucketPhase(enum.Enum):
     """Where the buckets are in a micro-step (Note: bucket phases)."""
@@ -107,6 +111,13 @@ class GradientBuckets:
     Without ``overlap`` the boundary's reductions may wait for :meth:`collect` (called by
     the optimizer step) when ``defer_without_overlap`` is set: stages 0 and 1 then hold only
     the full gradient after backward, as the ZeRO memory table assumes.
+
+    ``on_reduced`` (given at construction, or None: nobody listens) is called once per group
+    in the boundary micro-step, as the last of the group's blocks completes its reduction,
+    with the group's reduced shard. A callback rather than records handed back by
+    :meth:`finish` or :meth:`collect`, because what the receiver starts (the squared norm,
+    the shard's copy to the host) must overlap the rest of backward: at ``finish`` it would
+    be too late. Stage 0's all-reduce never calls it (its step reads the full sums).
     """
 
     defer_without_overlap = False
@@ -114,7 +125,8 @@ class GradientBuckets:
     def __init__(self, layouts: Sequence[FlatLayout], comm: Communicator, *,
                  accum_dtype: torch.dtype, device: torch.device, overlap: bool,
                  comm_dtype: Optional[torch.dtype] = None,
-                 reduce_scatter: Optional[Callable] = None) -> None:
+                 reduce_scatter: Optional[Callable] = None,
+                 on_reduced: Optional[OnRecordReduced] = None) -> None:
         self.layouts = list(layouts)
         self.comm = comm
         # how a block is reduce-scattered: over ``comm``, or a hierarchical plug-in with
@@ -133,7 +145,9 @@ class GradientBuckets:
         self._at_boundary = False       # this micro-step ends the accumulation window
         self._pending: deque = deque()  # (work, on_done) of asynchronous reductions
         self._reductions = 0            # micro-steps reduced into the shards this window
-        self.on_reduced: Optional[Callable[[int, Block], None]] = None  # Note "streaming"
+        self._on_reduced = on_reduced
+        # blocks of each group not yet reduced in the boundary micro-step
+        self._blocks_left = [len(lay.blocks) for lay in self.layouts]
 
     # ------------------------------------------------------------ strategy hooks
     def reduces_on(self, boundary: bool) -> bool:
@@ -191,6 +205,8 @@ class GradientBuckets:
         self._move(BucketPhase.REDUCING if self.reduces_on(boundary)
                    else BucketPhase.ACCUMULATING)
         self._at_boundary = boundary
+        if boundary:
+            self._blocks_left = [len(lay.blocks) for lay in self.layouts]
         self._next = 0
         for arrived, launched in zip(self._arrived, self._launched):
             for s in arrived:
@@ -267,10 +283,14 @@ class GradientBuckets:
         self._launched[g][block.index] = True
         self._launch(g, block)
 
-    def _reduced(self, g: int, block: Block) -> None:
-        """Block ``block`` of group g has its final value for this micro-step."""
-        if self.on_reduced is not None and self._at_boundary:
-            self.on_reduced(g, block)
+    def _reduced(self, g: int) -> None:
+        """One block of group g has its final value for this micro-step; at the boundary,
+        the group's last hands its reduced shard to ``on_reduced``."""
+        if self._on_reduced is None or not self._at_boundary:
+            return
+        self._blocks_left[g] -= 1
+        if not self._blocks_left[g]:
+            self._on_reduced(g, self.reduced_shard(g))
 
     def _wire(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` in the communication dtype (itself when it already is)."""
@@ -356,7 +376,7 @@ class ReduceScatterAtBoundary(_FullAccumulation):
         self._track(self.reduce_scatter(out, self._wire(self._block_flat(g, block)),
                                              async_op=self.overlap,
                                              label=f"gradient bucket {g}.{block.index}"),
-                    lambda: self._reduced(g, block))
+                    lambda: self._reduced(g))
 
     def _shard_of(self, g: int) -> torch.Tensor:
         """The reduced shard, in the communication dtype: it holds one reduction only."""
@@ -430,7 +450,7 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
             elif not direct:
                 target.add_(out)
             self._staging.pop(key)   # Note: releasing buckets
-            self._reduced(g, block)
+            self._reduced(g)
         self._track(work, done)
 
     def reduced_shard(self, g: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from ..comm import Communicator
 from ..core.flat import Block, FlatLayout
 from ..offload import Storage
 from ..core.precision import PrecisionPolicy
-from .base import BucketedStage, ShardRecord
+from .base import BucketedStage, RecordArrivals, ShardRecord
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,11 @@ class ShardedDataParallel(BucketedStage):
                                          for g in range(len(groups))])
         self.updater = make_updater(self.optimizer)   # offload/updater.py
         self.updater.attach([g.master for g in self.groups])
+        self.arrivals = RecordArrivals()   # Note "records as buckets complete" (base.py)
         self.buckets = plan.buckets([g.layout for g in self.groups], comm,
                                     accum_dtype=policy.grad_accum_dtype, device=self.device,
-                                    overlap=plan.overlap_comm, comm_dtype=policy.reduce_dtype)
-        self.watch_buckets()
+                                    overlap=plan.overlap_comm, comm_dtype=policy.reduce_dtype,
+                                    on_reduced=self.record_reduced)
         self._hooks = [
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
             for g, group in enumerate(self.groups) for i, param in enumerate(group.params)]

@@ -33,7 +33,7 @@ from ..buckets import ReduceScatterEveryMicroStep
 from ...comm import Communicator
 from ...offload import Storage
 from ...core.precision import PrecisionPolicy
-from ..base import FROZEN, BucketedStage, CompileTarget, ShardRecord
+from ..base import FROZEN, BucketedStage, CompileTarget, RecordArrivals, ShardRecord
 from . import partition as P
 from .gather_check import STEP
 from .hierarchical import build_groups
@@ -111,11 +111,12 @@ class PartitionedDataParallel(BucketedStage):
         reduce_scatter = groups3.reduce_scatter
         if reduce_scatter is None and self._host_checked:
             reduce_scatter = self.wire.host.reduce_scatter
+        self.arrivals = RecordArrivals()   # Note "records as buckets complete" (base.py)
         self.buckets = ReduceScatterEveryMicroStep(
             [s.layout for _, s in self._records], comm, accum_dtype=policy.grad_accum_dtype,
             device=device, overlap=bool(zero_config.overlap_comm),
-            comm_dtype=policy.reduce_dtype, reduce_scatter=reduce_scatter)
-        self.watch_buckets()
+            comm_dtype=policy.reduce_dtype, reduce_scatter=reduce_scatter,
+            on_reduced=self.record_reduced)
         self.scheduler = UnitScheduler(self.units, GatherPolicy(
             prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
             max_live_numel=int(zero_config.stage3_max_live_parameters),

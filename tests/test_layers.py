@@ -76,8 +76,8 @@ ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("communicator",),
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
-    "stages": (("base",), ("bucket_launch",), ("buckets",), ("zero12", "zero3"), ("factory",),
-               ("__init__",)),
+    "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
+               ("zero12", "zero3"), ("factory",), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership"),
                ("api", "reports"), ("engine",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),

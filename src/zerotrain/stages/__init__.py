@@ -1,1 +1,1 @@
-"""ZeRO stages. ``stages.factory.build_stage`` picks one; ``stages.base`` says what they do."""
+"""ZeRO stages. ``stages.factory.build_stage`` picks one; ``stages.protocol`` says what they do."""

@@ -1,10 +1,10 @@
 """Offload: fp32 master weights and optimizer state on the host (CPU RAM or NVMe files),
 stepped there by torch's fused CPU Adam, and stage-3 parameter shards kept on the host.
 
-``plan.py`` reads the config; ``storage.py`` allocates state where it lives (the device,
-pinned RAM, or files under ``nvme_path``) and swaps NVMe-backed tensors through pinned
-buffers; ``updater.py`` runs the optimizer step on the host one record at a time,
-overlapping the copies (``device.py``: on the device in one call); ``speculation.py`` keeps
+``plan.py`` reads the config; ``storage.py`` picks where state lives (the device; pinned
+RAM, ``host_storage.py``; or files under ``nvme_path``, ``nvme.py``, which swaps them
+through pinned buffers); ``updater.py`` runs the optimizer step on the host one record at
+a time, overlapping the copies (``device.py``: on the device in one call); ``speculation.py`` keeps
 state for the host step taken during backward; ``traffic.py`` counts the host memory each
 phase moves; ``trace.py`` writes the step's per-record timeline; ``states.py`` moves
 the states ``engine.offload_states`` names to the host and back. ``transfers.py`` issues every host/device copy

@@ -23,15 +23,6 @@ Note: the host step
     Host memory holds the fp32 state (12 bytes per parameter of this rank's shard) and the
     fp32 gradient shard (4 bytes per parameter), plus the kept state when speculative.
 
-Note: where the time goes
-    ``timings`` adds up, per part, the seconds the step spends waiting for gradients to
-    reach the host (``offload_gradient_wait``), for NVMe reads and writes
-    (``offload_nvme_read_wait``, ``offload_nvme_write_wait``), in the CPU Adam
-    (``offload_cpu_adam``), sending new values to the device (``offload_publish``) and, with
-    ``dpu``, waiting for the delayed update (``offload_delayed_wait``). With
-    ``wall_clock_breakdown`` the engine logs them next to forward/backward/step, so a slow
-    offloaded step shows which part is slow.
-
 Note: partial offload
     With ``offload_optimizer.ratio`` below 1 (DeepSpeed's Twin-Flow key: the fraction
     offloaded) the first ``1 - ratio`` of the records, in layout order as DeepSpeed splits
@@ -64,23 +55,19 @@ Note: delayed parameter update
 from __future__ import annotations
 
 import os
-import threading
-import time
-from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..errors import ConfigError
 from .device import DeviceUpdater
 from .gradients import Gradients, HostGradients
 from .speculation import KeptStates
+from .step_timings import StepTimings
 from .storage import HostStorage, Storage
+from .swapped_adam import SwappedAdamState
 from .threads import available_cores, host_step_threads, step_alone, threads
 from .trace import NoTimeline, Timeline, rank_path
-
-_ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
 
 def build_updater(optimizer: torch.optim.Optimizer, storage: Storage, *,
@@ -123,12 +110,11 @@ class HostUpdater:
         allocate = storage.zeros if storage.swaps else (
             lambda n, dtype: torch.empty(n, dtype=dtype))   # kept state never crosses PCIe
         self.kept = KeptStates(allocate, storage.transfers.host)
-        self._homes: dict[int, dict[str, torch.Tensor]] = {}   # NVMe: each master's state
-        self._lock = threading.Lock()
+        self.swapped = SwappedAdamState(optimizer, storage)   # NVMe: each master's state
         self._group_of: dict[int, int] = {}   # id(master) -> its optimizer group
         self._groups_key: tuple = ()
-        # seconds spent, by part, since the last ``take_timings`` (Note "where the time goes")
-        self.timings: dict[str, float] = defaultdict(float)
+        # seconds spent, by part, since the last ``take_timings`` (Note in step_timings.py)
+        self.timings = StepTimings()
 
     # ------------------------------------------------------------------ set-up
     def attach(self, masters: Sequence[torch.Tensor],
@@ -139,27 +125,8 @@ class HostUpdater:
         (stage 3, ``place_masters``); without it the first ``1 - ratio`` are moved there."""
         self._masters = list(masters)
         self._keep_on_device(masters, on_device)
-        if not self.storage.swaps:
-            return
-        for group in self.optimizer.param_groups:
-            if type(self.optimizer).__name__ not in ("Adam", "AdamW") or group.get("amsgrad"):
-                raise ConfigError("zero_optimization.offload_optimizer.device",
-                                  '"nvme" swaps Adam/AdamW state (exp_avg, exp_avg_sq); '
-                                  f"{type(self.optimizer).__name__}"
-                                  f"{' with amsgrad' if group.get('amsgrad') else ''} "
-                                  'is not supported there; use device "cpu"', value="nvme")
-        numel = 0
-        for k, master in enumerate(masters):
-            state = self.optimizer.state[master]
-            state.setdefault("step", torch.zeros((), dtype=torch.float32))
-            # held here too: the files stay reserved whatever replaces the state's entries
-            self._homes[id(master)] = {key: self.storage.zeros(master.numel())
-                                       for key in _ADAM_STATE}
-            state.update(self._homes[id(master)])
-            numel = max(numel, master.numel() * (1 + len(_ADAM_STATE)))
-            if self.speculative:   # the files for the kept state are reserved now too
-                self.kept.reserve(k, {"master": master, **self._homes[id(master)]})
-        self.storage.reserve_slots(numel)
+        if self.storage.swaps:
+            self.swapped.allocate(masters, self.kept if self.speculative else None)
 
     def _keep_on_device(self, masters: Sequence[torch.Tensor],
                         placed: Optional[Sequence[int]] = None) -> None:
@@ -249,19 +216,14 @@ class HostUpdater:
         if self._pending is None:
             return False
         pending, self._pending = self._pending, None
-        with self._timed("offload_delayed_wait"), self.timeline.span("delayed wait"):
+        with self.timings.timed("offload_delayed_wait"), self.timeline.span("delayed wait"):
             pending.result()
         self.timeline.write()
         return True
 
     def take_timings(self) -> dict[str, float]:
         """The seconds by part since the last call, and start counting afresh."""
-        with self._lock:
-            taken, self.timings = dict(self.timings), defaultdict(float)
-        return taken
-
-    def _timed(self, part: str) -> "_Timer":
-        return _Timer(self, part)
+        return self.timings.take()
 
     def close(self) -> None:
         try:
@@ -292,7 +254,7 @@ class HostUpdater:
         """Wait for the speculative steps; keep those that stand, restore the others
         (Note in speculation.py). Returns the records needing no step now."""
         speculated, self._speculated = self._speculated, {}
-        with self._timed("offload_speculation_wait"):
+        with self.timings.timed("offload_speculation_wait"):
             for future in speculated.values():
                 future.result()
             self.storage.drain()
@@ -312,7 +274,7 @@ class HostUpdater:
                      done: set[int]) -> None:
         todo = [k for k in order if k not in done and k not in self._on_device]
         if todo:
-            self._prefetch(masters, todo[0])
+            self.swapped.prefetch(todo[0], masters[todo[0]])
             self._fetch_ready(todo[0], grads)
         for k in order:   # first: on a GPU their kernels then run while the host steps
             if k in self._on_device:
@@ -325,11 +287,12 @@ class HostUpdater:
             if stepped:
                 following = next(ahead, None)
                 if following is not None:   # its state read and its gradient copied
-                    self._prefetch(masters, following)   # while record k steps
+                    self.swapped.prefetch(following, masters[following])   # while k steps
                     self._fetch_ready(following, grads)
-                with self._timed("offload_gradient_wait"), self.timeline.span("gradient wait", k):
+                with (self.timings.timed("offload_gradient_wait"),
+                      self.timeline.span("gradient wait", k)):
                     grad = self.gradients.take(k, grads)
-                with self._timed("offload_nvme_read_wait"):
+                with self.timings.timed("offload_nvme_read_wait"):
                     self.storage.swap_in(k)
                 self._adam(k, masters[k], grad)
                 if self.delayed:
@@ -337,13 +300,13 @@ class HostUpdater:
             else:
                 self.gradients.forget_one(k)
             if publish is not None:
-                with self._timed("offload_publish"), self.timeline.span("upload", k):
+                with self.timings.timed("offload_publish"), self.timeline.span("upload", k):
                     publish(k)
             if stepped:
                 if self.storage.swaps:   # the slot is reused once written back
                     self.storage.transfers.wait_uploads()
                 self.storage.swap_out(k)
-        with self._timed("offload_nvme_write_wait"):
+        with self.timings.timed("offload_nvme_write_wait"):
             self.storage.drain()
 
     def _step_on_device(self, k: int, master: torch.Tensor, grads: Gradients,
@@ -365,7 +328,7 @@ class HostUpdater:
 
     def _adam(self, k: int, master: torch.Tensor, grad: torch.Tensor) -> None:
         """Record k's optimizer step over ``grad`` (fp32, on the host), counted."""
-        with self._timed("offload_cpu_adam"), self.timeline.span("adam", k):
+        with self.timings.timed("offload_cpu_adam"), self.timeline.span("adam", k):
             master.grad = grad.view(master.shape)
             step_alone(self.optimizer, self._group_index(master), master)
             master.grad = None
@@ -386,7 +349,7 @@ class HostUpdater:
         master = self._masters[k]
         with self.timeline.span("gradient wait", k):
             grad, coef, world = self.gradients.wait(k)
-        self._prefetch(self._masters, k)
+        self.swapped.prefetch(k, master)
         self.storage.swap_in(k)
         try:
             group = self.optimizer.param_groups[self._group_index(master)]
@@ -408,46 +371,9 @@ class HostUpdater:
             self._groups_key = key
         return self._group_of[id(master)]
 
-    def _prefetch(self, masters: Sequence[torch.Tensor], k: int) -> None:
-        if not self.storage.swaps:
-            return
-        state = self._adopted_state(masters[k])
-        self.storage.prefetch(k, [masters[k]] + [state[key] for key in _ADAM_STATE])
-
-    def _adopted_state(self, master: torch.Tensor) -> dict:
-        """The master's state, back in its NVMe files if something (a checkpoint load)
-        replaced or dropped an entry: values are copied in, and a missing entry (a load
-        without optimizer state) starts from zero, as a fresh Adam would."""
-        state = self.optimizer.state[master]
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            for home in self._homes[id(master)].values():
-                home.zero_()
-        for key, home in self._homes[id(master)].items():
-            value = state.get(key)
-            if value is not home:
-                if value is not None:
-                    home.copy_(value)
-                state[key] = home
-        return state
 
 def _worker_setup(device: torch.device) -> None:
     """The worker thread's own setting: on a GPU, the device its copies and events belong
     to (its thread count is set per task, ``threads``)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-
-class _Timer:
-    """Adds a block's seconds to ``updater.timings`` (under its lock: the delayed update's
-    worker thread times its parts too)."""
-
-    def __init__(self, updater: HostUpdater, part: str) -> None:
-        self.updater, self.part = updater, part
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        with self.updater._lock:
-            self.updater.timings[self.part] += time.perf_counter() - self.start

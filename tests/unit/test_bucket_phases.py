@@ -81,3 +81,31 @@ def test_an_illegal_transition_names_the_phase_and_the_one_expected(start, to, e
     with pytest.raises(StateError, match=expected):
         buckets._move(to)
     assert buckets.phase is start
+
+
+def test_on_reduced_hears_each_group_once_at_the_boundary_with_its_shard():
+    """The receiver given at construction hears, only in the boundary micro-step, each group
+    once, as its last block's reduction completes (groups in launch order: the last group's
+    blocks go first), with the group's reduced shard."""
+    from zerotrain.stages.buckets import ReduceScatterEveryMicroStep
+
+    def reduce_scatter(out, full, *, async_op, label):   # one rank: the shard is the whole
+        out.copy_(full)
+        return None
+
+    heard: list[tuple[int, torch.Tensor]] = []
+    layouts = [FlatLayout([4, 6], world=1, bucket_numel=5), FlatLayout([3], world=1,
+                                                                       bucket_numel=5)]
+    buckets = ReduceScatterEveryMicroStep(
+        layouts, RecordingComm(), accum_dtype=torch.float32, device=torch.device("cpu"),
+        overlap=False, reduce_scatter=reduce_scatter,
+        on_reduced=lambda g, shard: heard.append((g, shard)))
+    for boundary in (False, True):
+        buckets.begin(boundary)
+        buckets.add(1, 0, torch.ones(3))
+        buckets.add(0, 1, torch.ones(6))
+        buckets.add(0, 0, torch.ones(4))
+        buckets.finish()
+        assert [g for g, _ in heard] == ([1, 0] if boundary else [])
+    assert all(shard is buckets.reduced_shard(g) for g, shard in heard)
+    assert torch.equal(heard[1][1], torch.full((10,), 2.0))   # both micro-steps summed

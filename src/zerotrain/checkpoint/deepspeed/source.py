@@ -239,9 +239,9 @@ class DeepSpeedCheckpoint:
         return {k: _detached(v, memo, budget, f"{self.model_file}: client_state[{k!r}]", 0)
                 for k, v in self.model.items() if k not in _DS_KEYS}
 
-    def lr_scheduler_state(self) -> Optional[dict]:
-        value = self.model.get("lr_scheduler")
-        return value if isinstance(value, dict) else None
+    def lr_scheduler_state(self) -> Any:
+        """As saved, unchecked: the load refuses what the live scheduler cannot take."""
+        return self.model.get("lr_scheduler")
 
     def param_groups(self) -> list[dict]:
         """The base optimizer's saved parameter groups (hyperparameters), if saved."""

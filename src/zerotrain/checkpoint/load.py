@@ -19,7 +19,7 @@ from . import client_state, dcp, deepspeed, fs, rng
 from .deepspeed.universal import UniversalCheckpoint, find_universal_dir
 from .manifest import (LATEST_NAME, CheckpointError, check_tag, file_identity_check,
                        read_manifest, save_identity)
-from .match import check_groups, check_model
+from .match import check_groups, check_model, checkpoint_shapes
 from .reshard import SourceIndex
 from .staged_load import LoadOptions, load_staged
 from .state import COUNTERS, CheckpointReport, LoadResult, TrainingState
@@ -38,9 +38,8 @@ def load_checkpoint(state: TrainingState, load_dir: str, *, tag: Optional[str] =
     the training state changes until every rank has read and checked everything (Note:
     stage, agree, commit in ``staged_load.py``).
     """
-    options = LoadOptions.of(load_optimizer_states=load_optimizer_states,
-                             load_lr_scheduler_states=load_lr_scheduler_states,
-                             load_module_only=load_module_only)
+    options = LoadOptions(optimizer=load_optimizer_states and not load_module_only,
+                          small=not load_module_only, scheduler=load_lr_scheduler_states)
     dcp_path = dcp.find_dcp_dir(load_dir, tag)
     if dcp_path is not None:   # a torch DCP checkpoint (FSDP2), read like a DeepSpeed tag
         return deepspeed.load_foreign(state, dcp_path, lambda p: dcp.DcpCheckpoint(
@@ -134,7 +133,7 @@ class ZeroTrainFiles:
 
     def validate(self, module: torch.nn.Module, records: list,
                  param_groups: Optional[list]) -> None:
-        check_model(self.manifest, module, records, self.path)
+        check_model(checkpoint_shapes(self.manifest), module, records, self.state_where)
         if param_groups is not None:
             check_groups(self.manifest, param_groups, self.path)
 

@@ -45,11 +45,11 @@ MALFORMED = (ValueError, TypeError, RuntimeError, RecursionError, KeyError, Inde
 
 
 class LoadSource(Protocol):
-    """What a checkpoint format provides to the load sequence. Every method only reads:
-    nothing of the training state is touched before every rank agrees.
+    """What a checkpoint format provides to the load sequence; every method only reads.
 
-    ``path`` is the checkpoint; ``groups_where`` and ``state_where`` are how errors name
-    where the optimizer's groups and the rest of the small state were read."""
+    ``groups_where`` and ``state_where`` are how errors name where the optimizer's groups
+    and the rest of the small state were read. The small-state methods return what was
+    saved, unchecked (None: nothing saved); the sequence checks it."""
 
     path: str
     groups_where: str
@@ -57,48 +57,40 @@ class LoadSource(Protocol):
 
     def validate(self, module: torch.nn.Module, records: list,
                  param_groups: Optional[list]) -> None:
-        """Raise unless the model's parameters and buffers match the checkpoint's by name
-        and shape (and, given the optimizer's ``param_groups``, its groups)."""
+        """Raise unless the model's parameters and buffers match by name and shape (and,
+        given the optimizer's ``param_groups``, its groups)."""
 
     def read_range(self, name: str, key: str, start: int, end: int,
                    out: torch.Tensor) -> None:
-        """Copy elements ``[start, end)`` of parameter ``name``'s ``key`` (``master`` or an
-        optimizer state such as ``exp_avg``) into the 1-D ``out``."""
+        """Elements ``[start, end)`` of parameter ``name``'s ``key`` (``master``,
+        ``exp_avg``, ...) into the 1-D ``out``."""
 
     def read_same_shard(self, names: list, layout: FlatLayout, key: str, rank: int,
                         out: torch.Tensor) -> bool:
-        """Read the whole shard in one go when the checkpoint holds exactly this layout;
-        False when it does not (then :meth:`read_range` reads it slot by slot)."""
+        """Read a whole shard saved with exactly this layout; False when there is none."""
 
     def optimizer_state_spec(self, names: list) -> tuple[list, dict]:
-        """(state tensor keys, {scalar key: (value, torch dtype or None for a Python
-        value)}) of the saved optimizer state these parameters come with."""
+        """(state tensor keys, {scalar key: (value, torch dtype, or None for a Python
+        value)}) of the optimizer state saved for these parameters."""
 
     def saved_module_tensor(self, name: str) -> Optional[torch.Tensor]:
-        """A frozen parameter or buffer as saved; None when it was trainable when saved
-        (its master is read instead)."""
+        """A frozen parameter or buffer; None when it was trainable when saved (then its
+        master is read)."""
 
     def rng_state(self, comm) -> Optional[tuple]:
-        """This rank's saved generator state, checked (``rng.check``); None to keep it."""
+        """This rank's generator state, checked; None to keep the live one."""
 
     def client_state(self) -> Any: ...
-
-    def saved_param_groups(self, live_groups: list) -> list:
-        """The optimizer's saved hyperparameters as JSON, one dict per group."""
-
+    def saved_param_groups(self, live_groups: list) -> list: ...
     def loss_scaler_state(self) -> Any: ...
-
     def lr_scheduler_state(self) -> Any: ...
-
     def data_loader_state(self) -> Any: ...
-
     def counters(self) -> dict: ...
 
     def identity(self) -> int:
         """A hash of this save: ranks that read two saves of one tag differ here."""
 
-    def report(self) -> CheckpointReport:
-        """What was read so far (elements, bytes, files)."""
+    def report(self) -> CheckpointReport: ...
 
     def malformed(self, exc: Exception) -> Exception:
         """What a read that failed with one of :data:`MALFORMED` raises."""
@@ -115,12 +107,6 @@ class LoadOptions:
     optimizer: bool
     small: bool
     scheduler: bool
-
-    @classmethod
-    def of(cls, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-           load_module_only: bool) -> "LoadOptions":
-        return cls(optimizer=load_optimizer_states and not load_module_only,
-                   small=not load_module_only, scheduler=load_lr_scheduler_states)
 
 
 @dataclass(slots=True)

@@ -18,10 +18,10 @@ import torch
 
 from ...core.records import FROZEN
 from ..manifest import CheckpointError
-from ..match import json_group_values, model_shapes
+from ..match import check_model, json_group_values
 from ..staged_load import MALFORMED, LoadOptions, load_staged
 from ..state import CheckpointReport, LoadResult, TrainingState
-from .source import DeepSpeedCheckpoint, malformed
+from .source import malformed
 
 
 def load_foreign(state: TrainingState, path: str, open_checkpoint: Callable[[str], Any], *,
@@ -31,7 +31,7 @@ def load_foreign(state: TrainingState, path: str, open_checkpoint: Callable[[str
     leaves every tensor, hyperparameter and counter as it was."""
     def open_source(where: str) -> ForeignSource:
         try:
-            return ForeignSource(open_checkpoint(where))
+            return ForeignSource(open_checkpoint(where), what)
         except CheckpointError:
             raise
         except MALFORMED as exc:
@@ -45,8 +45,8 @@ class ForeignSource:
     :class:`DeepSpeedCheckpoint`'s reading methods (``read_into``, ``state_keys``,
     ``module_tensor``, the name lists and the small state)."""
 
-    def __init__(self, ckpt: Any) -> None:
-        self.ckpt = ckpt
+    def __init__(self, ckpt: Any, what: str) -> None:
+        self.ckpt, self.what = ckpt, what
         self.path = ckpt.path
         self.state_where = ckpt.model_file
         self.elements = 0
@@ -57,7 +57,11 @@ class ForeignSource:
 
     def validate(self, module: torch.nn.Module, records: list,
                  param_groups: Optional[list]) -> None:
-        check_model(self.ckpt, module, records)
+        ckpt = self.ckpt
+        saved = ({n: ckpt.full_shape(n) for n in ckpt.trainable_names() + ckpt.frozen_names()},
+                 {n: ckpt.full_shape(n) for n in ckpt.buffer_names()})
+        check_model(saved, module, records, f"{self.what} {self.path}",
+                    aliases=ckpt.shared_params())
         if param_groups is not None:
             self._check_optimizer(param_groups, records)
 
@@ -69,8 +73,8 @@ class ForeignSource:
                                   "only")
         groups = ckpt.param_groups()
         if groups and len(groups) != len(param_groups):
-            raise CheckpointError(f"DeepSpeed checkpoint {ckpt.path} has {len(groups)} "
-                                  f"optimizer parameter groups, this optimizer has "
+            raise CheckpointError(f"{self.what} {ckpt.path} has {len(groups)} optimizer "
+                                  f"parameter groups, this optimizer has "
                                   f"{len(param_groups)}; load with "
                                   "load_optimizer_states=False to take only the weights")
         for record in records:
@@ -149,25 +153,3 @@ class ForeignSource:
 
     def close(self) -> None:
         pass
-
-
-def check_model(ckpt: DeepSpeedCheckpoint, module: torch.nn.Module, records) -> None:
-    """Raise CheckpointError naming the first parameter or buffer that does not match."""
-    params, buffers = model_shapes(module, records)
-    saved_params = {n: ckpt.full_shape(n) for n in ckpt.trainable_names() + ckpt.frozen_names()}
-    saved_buffers = {n: ckpt.full_shape(n) for n in ckpt.buffer_names()}
-    aliases = ckpt.shared_params()
-    for kind, model, saved in (("parameter", params, saved_params),
-                               ("buffer", buffers, saved_buffers)):
-        for name, shape in model.items():
-            if name not in saved:
-                raise CheckpointError(f"{kind} {name!r} of the model is missing from "
-                                      f"DeepSpeed checkpoint {ckpt.path}")
-            if tuple(saved[name]) != tuple(shape):
-                raise CheckpointError(f"{kind} {name!r} has shape {tuple(shape)} in the model "
-                                      f"but {tuple(saved[name])} in {ckpt.path}")
-        for name in saved:
-            if name not in model and name not in aliases:
-                raise CheckpointError(f"DeepSpeed checkpoint {ckpt.path} has {kind} {name!r}, "
-                                      "which the model does not have")
-

@@ -40,6 +40,9 @@ _RECORD_REQUIRED = {"key": str, "group_index": int, "names": list, "shapes": lis
                     "dtype": str, "state_tensors": list, "state_scalars": dict}
 
 _ENTRY_REQUIRED = {"name": str, "key": str, "shape": list, "dtype": str}
+# What reading a file whose fields have the wrong type or size raises; each format names it.
+MALFORMED = (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
+             AttributeError, OverflowError)
 
 
 # --------------------------------------------------------------------------- JSON values

@@ -31,18 +31,13 @@ import torch
 from ..core.flat import FlatLayout
 from ..core.records import FROZEN
 from . import rng
-from .manifest import CheckpointError
+from .manifest import MALFORMED, CheckpointError
 from .match import (check_counters, check_data_loader, check_group_values, check_loss_scaler,
                     check_scheduler)
 from .reshard import target_range
 from .state import CheckpointReport, LoadResult, TrainingState, shard_rank
 
 logger = logging.getLogger(__name__)
-
-# What reading a file whose fields have the wrong type or size raises (a source names it).
-MALFORMED = (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
-             AttributeError, OverflowError)
-
 
 class LoadSource(Protocol):
     """What a checkpoint format provides to the load sequence; every method only reads.
@@ -284,16 +279,12 @@ def agree(comm, failure: Optional[BaseException], *, found: bool, what: str, whe
     """One all-reduce (min of: the first failing rank, found, -found, the save identity and
     its negation): every rank raises, or none does, all agree whether there is a checkpoint
     to load, and all staged the same save (Note "one tag for every rank" in ``load.py``)."""
-    same = True
+    flags = torch.tensor([comm.rank if failure else comm.world_size, int(found), -int(found),
+                          identity, -identity], dtype=torch.int64, device=comm.device)
     if comm.world_size > 1:
-        flags = torch.tensor([comm.rank if failure else comm.world_size, int(found),
-                              -int(found), identity, -identity], dtype=torch.int64,
-                             device=comm.device)
         comm.all_reduce(flags, op="min", label="checkpoint load: agreement")
-        first, all_found, any_found = int(flags[0]), int(flags[1]), -int(flags[2])
-        same = int(flags[3]) == -int(flags[4])
-    else:
-        first, all_found, any_found = (0 if failure else 1), int(found), int(found)
+    first, all_found, any_found = int(flags[0]), int(flags[1]), -int(flags[2])
+    same = int(flags[3]) == -int(flags[4])
     if isinstance(failure, CheckpointError):
         raise failure
     if failure is not None:   # the same kind of error on every rank, so callers can react

@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...core.records import FROZEN
-from ..manifest import CheckpointError
+from ..manifest import MALFORMED, CheckpointError
 from ..match import check_model, json_group_values
-from ..staged_load import MALFORMED, LoadOptions, load_staged
+from ..staged_load import LoadOptions, load_staged
 from ..state import CheckpointReport, LoadResult, TrainingState
 from .source import malformed
 
@@ -49,7 +49,7 @@ class ForeignSource:
         self.ckpt, self.what = ckpt, what
         self.path = ckpt.path
         self.state_where = ckpt.model_file
-        self.elements = 0
+        self.elements_read = 0
 
     @property
     def groups_where(self) -> str:
@@ -89,7 +89,7 @@ class ForeignSource:
     def read_range(self, name: str, key: str, start: int, end: int,
                    out: torch.Tensor) -> None:
         self.ckpt.read_into(name, key, start, end, out)
-        self.elements += end - start
+        self.elements_read += end - start
 
     def read_same_shard(self, names, layout, key: str, rank: int, out: torch.Tensor) -> bool:
         return False   # DeepSpeed's partitions never have zerotrain's layout
@@ -112,7 +112,7 @@ class ForeignSource:
         if name in self.ckpt.params:   # trainable when saved: read_range reads its master
             return None
         value = self.ckpt.module_tensor(name)
-        self.elements += value.numel()
+        self.elements_read += value.numel()
         return value
 
     def rng_state(self, comm) -> None:
@@ -144,8 +144,8 @@ class ForeignSource:
         return self.ckpt.identity()
 
     def report(self) -> CheckpointReport:
-        return CheckpointReport(path=self.path, elements_read=self.elements,
-                                bytes_read=4 * self.elements,
+        return CheckpointReport(path=self.path, elements_read=self.elements_read,
+                                bytes_read=4 * self.elements_read,
                                 files_opened=len(self.ckpt.optim_files) + 1)
 
     def malformed(self, exc: Exception) -> Exception:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..manifest import CheckpointError, save_identity
+from ..manifest import MALFORMED, CheckpointError, save_identity
 from . import files
 from .layout import SourceParam, zero12_params, zero3_params
 from .unpickle import DeepSpeedRecord
@@ -37,8 +37,7 @@ class DeepSpeedCheckpoint:
             self._open(path)
         except CheckpointError:
             raise
-        except (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
-                AttributeError, OverflowError) as exc:   # a field of the wrong type or size
+        except MALFORMED as exc:   # a field of the wrong type or size
             raise malformed(path, exc) from None
 
     def _open(self, path: str) -> None:

@@ -6,8 +6,9 @@ checkpoint directory without any process group. See ``docs/checkpoints.md``.
 
 Modules: ``manifest`` (fields, JSON values, validation), ``stfile`` (safetensors writer and
 reader), ``fs`` (tags, ``latest``, atomic publication), ``reshard`` (element-range
-arithmetic), ``match`` (model vs checkpoint), ``save``, ``writer`` (asynchronous save), ``load``, ``rng``,
-``consolidate``.
+arithmetic), ``match`` (model vs checkpoint), ``save``, ``writer`` (asynchronous save),
+``staged_load`` (the one load sequence, over a source per format), ``load`` (which format,
+and zerotrain's own files as a source), ``rng``, ``consolidate``.
 """
 from __future__ import annotations
 

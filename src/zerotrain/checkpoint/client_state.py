@@ -25,8 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .manifest import (NOT_SCALAR, CheckpointError, check_json_key, file_identity_check,
-                       json_scalar, safe_file)
+from .manifest import CheckpointError, encode_json, file_identity_check, safe_file
 from .stfile import DTYPE_NAMES, Reader, specs_of, write_file
 
 FILE = "client_state.safetensors"
@@ -43,32 +42,19 @@ def encode(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    scalar = json_scalar(value)
-    if scalar is not NOT_SCALAR:
-        return scalar
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            check_json_key(key, path)
-            if key == TAG:
-                raise CheckpointError(f"{path} uses the key {TAG!r}, which zerotrain "
-                                      "reserves for tensors and tuples; rename it")
-            out[key] = _encode(item, f"{path}[{key!r}]", tensors)
-        return out
-    if isinstance(value, list):
-        return [_encode(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
-    if isinstance(value, tuple):
-        return {TAG: "tuple",
-                "items": [_encode(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]}
-    if isinstance(value, argparse.Namespace):
-        return {TAG: "namespace", "vars": _encode(vars(value), f"{path}.vars()", tensors)}
-    if isinstance(value, torch.Tensor):
-        return _store(_plain_tensor(value, path), path, tensors)
-    if type(value).__module__ == "numpy":
-        return _encode_numpy(value, path, tensors)
-    raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}; "
-                          f"client_state can hold {_SUPPORTED}. Checkpoints never pickle: "
-                          "convert it, or save it yourself")
+    def other(item: Any, where: str) -> Any:
+        if isinstance(item, tuple):
+            return {TAG: "tuple", "items": _encode(list(item), where, tensors)}
+        if isinstance(item, argparse.Namespace):
+            return {TAG: "namespace", "vars": _encode(vars(item), f"{where}.vars()", tensors)}
+        if isinstance(item, torch.Tensor):
+            return _store(_plain_tensor(item, where), where, tensors)
+        if type(item).__module__ == "numpy":
+            return _encode_numpy(item, where, tensors)
+        raise CheckpointError(f"{where} is a {type(item).__module__}."
+                              f"{type(item).__qualname__}; client_state can hold {_SUPPORTED}. "
+                              "Checkpoints never pickle: convert it, or save it yourself")
+    return encode_json(value, path, other, reserved_key=TAG)
 
 
 def _plain_tensor(tensor: torch.Tensor, path: str) -> torch.Tensor:

@@ -40,55 +40,59 @@ _RECORD_REQUIRED = {"key": str, "group_index": int, "names": list, "shapes": lis
                     "dtype": str, "state_tensors": list, "state_scalars": dict}
 
 _ENTRY_REQUIRED = {"name": str, "key": str, "shape": list, "dtype": str}
+# What reading a file whose fields have the wrong type or size raises; each format names it.
+MALFORMED = (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
+             AttributeError, OverflowError)
 
 
 # --------------------------------------------------------------------------- JSON values
-NOT_SCALAR = object()   # json_scalar's answer for containers and everything else
-
-
-def json_scalar(value: Any) -> Any:
-    """``value`` as a JSON scalar (numpy numbers become Python ones), or ``NOT_SCALAR``."""
+def encode_json(value: Any, path: str, other: Callable[[Any, str], Any], *,
+                reserved_key: Optional[str] = None) -> Any:
+    """The one JSON walk of checkpoint state (the manifest's small state and
+    ``client_state``): numbers become Python ones (numpy's too), dicts must have string
+    keys, lists are walked, and every other value goes to ``other(value, path)``, which
+    returns its JSON form or raises. ``path`` names where a value stands, e.g.
+    ``client_state['opt'][2]``, so every refusal says which key it was."""
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, numbers.Integral):   # numpy integers too
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
-    return NOT_SCALAR
-
-
-def check_json_key(key: Any, path: str) -> None:
-    """JSON object keys are strings: anything else is refused, naming where it stands."""
-    if not isinstance(key, str):
-        raise CheckpointError(f"{path} has the non-string key {key!r}; checkpoint "
-                              "state is JSON, whose object keys are strings")
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"{path} has the non-string key {key!r}; checkpoint "
+                                      "state is JSON, whose object keys are strings")
+            if key == reserved_key:
+                raise CheckpointError(f"{path} uses the key {key!r}, which zerotrain "
+                                      "reserves for tensors and tuples; rename it")
+            out[key] = encode_json(item, f"{path}[{key!r}]", other, reserved_key=reserved_key)
+        return out
+    if isinstance(value, list):
+        return [encode_json(item, f"{path}[{i}]", other, reserved_key=reserved_key)
+                for i, item in enumerate(value)]
+    return other(value, path)
 
 
 def to_json(value: Any, path: str, *, tensors_as_numbers: bool = False) -> Any:
     """A JSON-able copy of ``value`` (tuples become lists), or CheckpointError naming the
-    first offending key path, e.g. ``client_state['opt'][2]``.
+    first offending key path.
 
     With ``tensors_as_numbers`` a tensor becomes its ``tolist()`` (for optimizer
     hyperparameters such as a tensor ``lr``); otherwise tensors are rejected.
     """
-    scalar = json_scalar(value)
-    if scalar is not NOT_SCALAR:
-        return scalar
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            check_json_key(key, path)
-            out[key] = to_json(item, f"{path}[{key!r}]", tensors_as_numbers=tensors_as_numbers)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [to_json(item, f"{path}[{i}]", tensors_as_numbers=tensors_as_numbers)
-                for i, item in enumerate(value)]
-    if tensors_as_numbers and hasattr(value, "tolist") and hasattr(value, "dtype"):
-        return value.tolist()
-    raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__qualname__}, "
-                          "which is not JSON (dict with str keys, list, str, int, float, bool "
-                          "or None); checkpoints never pickle, so convert it (e.g. "
-                          "tensor.tolist()) or save it yourself")
+    def other(item: Any, where: str) -> Any:
+        if isinstance(item, tuple):
+            return encode_json(list(item), where, other)
+        if tensors_as_numbers and hasattr(item, "tolist") and hasattr(item, "dtype"):
+            return item.tolist()
+        raise CheckpointError(f"{where} is a {type(item).__module__}."
+                              f"{type(item).__qualname__}, which is not JSON (dict with str "
+                              "keys, list, str, int, float, bool or None); checkpoints never "
+                              "pickle, so convert it (e.g. tensor.tolist()) or save it yourself")
+    return encode_json(value, path, other)
 
 
 # --------------------------------------------------------------------------- names

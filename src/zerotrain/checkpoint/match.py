@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Container, Sequence
 
 import torch
 from torch import nn
@@ -48,26 +48,23 @@ def checkpoint_shapes(manifest: dict) -> tuple[dict, dict]:
     return params, buffers
 
 
-def check_model(manifest: dict, module: nn.Module, records: Sequence[ShardRecord],
-                path: str) -> None:
-    """Raise CheckpointError naming the first parameter or buffer that does not match."""
-    model_params, model_buffers = model_shapes(module, records)
-    saved_params, saved_buffers = checkpoint_shapes(manifest)
-    for kind, model, saved in (("parameter", model_params, saved_params),
-                               ("buffer", model_buffers, saved_buffers)):
+def check_model(saved: tuple[dict, dict], module: nn.Module, records: Sequence[ShardRecord],
+                what: str, *, aliases: Container[str] = ()) -> None:
+    """Raise CheckpointError naming the first parameter or buffer that does not match.
+    ``saved``: the (parameter, buffer) name -> shape maps of the checkpoint ``what`` names;
+    ``aliases``: tied names it may hold that the model does not list."""
+    for kind, model, found in zip(("parameter", "buffer"), model_shapes(module, records), saved):
         for name, shape in model.items():
-            if name not in saved:
-                raise CheckpointError(f"{kind} {name!r} of the model is missing from "
-                                      f"checkpoint {path}; was it saved from a different "
-                                      "model?")
-            if saved[name] != shape:
+            if name not in found:
+                raise CheckpointError(f"{kind} {name!r} of the model is missing from {what}; "
+                                      "was it saved from a different model?")
+            if tuple(found[name]) != shape:
                 raise CheckpointError(f"{kind} {name!r} has shape {shape} in the model but "
-                                      f"{saved[name]} in checkpoint {path}")
-        for name in saved:
-            if name not in model:
-                raise CheckpointError(f"checkpoint {path} has {kind} {name!r}, which the "
-                                      "model does not have; was it saved from a different "
-                                      "model?")
+                                      f"{tuple(found[name])} in {what}")
+        for name in found:
+            if name not in model and name not in aliases:
+                raise CheckpointError(f"{what} has {kind} {name!r}, which the model does not "
+                                      "have; was it saved from a different model?")
 
 
 def check_groups(manifest: dict, param_groups: list, path: str) -> None:

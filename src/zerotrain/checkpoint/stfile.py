@@ -131,6 +131,9 @@ class Reader:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
         self._stack.close()
 
     @property

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..manifest import CheckpointError, save_identity
+from ..manifest import MALFORMED, CheckpointError, save_identity
 from . import files
 from .layout import SourceParam, zero12_params, zero3_params
 from .unpickle import DeepSpeedRecord
@@ -37,8 +37,7 @@ class DeepSpeedCheckpoint:
             self._open(path)
         except CheckpointError:
             raise
-        except (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
-                AttributeError, OverflowError) as exc:   # a field of the wrong type or size
+        except MALFORMED as exc:   # a field of the wrong type or size
             raise malformed(path, exc) from None
 
     def _open(self, path: str) -> None:
@@ -239,9 +238,9 @@ class DeepSpeedCheckpoint:
         return {k: _detached(v, memo, budget, f"{self.model_file}: client_state[{k!r}]", 0)
                 for k, v in self.model.items() if k not in _DS_KEYS}
 
-    def lr_scheduler_state(self) -> Optional[dict]:
-        value = self.model.get("lr_scheduler")
-        return value if isinstance(value, dict) else None
+    def lr_scheduler_state(self) -> Any:
+        """As saved, unchecked: the load refuses what the live scheduler cannot take."""
+        return self.model.get("lr_scheduler")
 
     def param_groups(self) -> list[dict]:
         """The base optimizer's saved parameter groups (hyperparameters), if saved."""

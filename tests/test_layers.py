@@ -78,7 +78,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
     "stages": (("base",), ("buckets",), ("zero12", "zero3"), ("factory",), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership"),
-               ("api", "reports"), ("engine",), ("__init__",)),
+               ("api", "reports", "persistence"), ("engine",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }
 

@@ -40,12 +40,12 @@ import torch
 from torch import nn
 
 from .. import checkpoint
-from ..checkpoint import full_weights as export
 from ..comm import Communicator
 from .compile import Compilation, CompileSettings
 from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
 from .api import DeepSpeedEngineAPI
+from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
 from ..errors import ConfigError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
@@ -62,7 +62,7 @@ from ..utils import gradient_norms_by_group
 logger = logging.getLogger(__name__)
 
 
-class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
+class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, nn.Module):
     """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``. DeepSpeed's
     one-line configuration accessors come from :class:`DeepSpeedEngineAPI`."""
 
@@ -399,6 +399,18 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._backward_in_window = False
         self._local_backwards = 0
 
+    def _resume_after_load(self, counters: Optional[dict]) -> None:
+        """After a checkpoint load: its counters, and a fresh accumulation window."""
+        if counters is not None:
+            for name, value in counters.items():
+                setattr(self, name, value)
+        self.stage.zero_grad()
+        self._backward_in_window = False
+        self._local_backwards = 0
+        self._last_outcome = None
+        self._lr_watch.rebase(self.lr_scheduler)
+        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
+
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -438,25 +450,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
                 raise
             return getattr(module, name)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Write the full model in its training dtype (rank 0 writes; all ranks call).
-
-        At stage 3 this needs ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
-        (as in DeepSpeed); without it the call refuses with an error rather than writing an
-        empty model.
-        """
-        zero = self.config.zero_optimization
-        if (self.stage.partitions_parameters
-                and not zero.stage3_gather_16bit_weights_on_model_save):
-            raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                              "save_16bit_model at stage 3 gathers the full weights; set it "
-                              "to true (or use save_checkpoint and `zerotrain consolidate`)")
-        self.settle()
-        export.save_16bit_model(self.module, self.stage, self.comm, save_dir, save_filename,
-                                exclude_frozen_parameters)
-        return True
-
     def offload_states(self, include: Optional[Any] = None, device: Any = "cpu",
                        pin_memory: bool = True, non_blocking: bool = False) -> None:
         """DeepSpeed's ``offload_states``: move the named training states (all by default:
@@ -485,110 +478,12 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         asks it before saving a stage-3 model)."""
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> Optional[dict]:
-        """The full state dict on rank 0, None on the others (DeepSpeed's name, called by
-        Accelerate's ``get_state_dict`` and the Trainer's ``save_model``; the callers check
-        ``zero_gather_16bit_weights_on_model_save`` first). Collective: every rank calls it."""
-        self.settle()
-        return export.consolidated_state_dict(self.module, self.stage, self.comm.rank,
-                                              exclude_frozen_parameters)
-
-    # ---- checkpoints ----
-    # Everything the engine knows about checkpoints is in this block; the work is done by
-    # ``checkpoint/`` (docs/checkpoints.md), which sees the engine only as a TrainingState.
-    def _training_state(self) -> checkpoint.TrainingState:
-        return checkpoint.TrainingState(
-            module=self.module, stage=self.stage, optimizer=self.stage.optimizer,
-            comm=self.comm, stage_index=self.zero_optimization_stage(),
-            precision=self.config.precision,
-            counters={name: getattr(self, name) for name in checkpoint.state.COUNTERS},
-            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler.for_checkpoint(),
-            data_loader=self.training_dataloader)
-
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: free the full parameters stage 3 still holds gathered between steps
         (persistent ones stay); nothing is gathered to free at stages 0-2."""
         release = getattr(self.stage, "empty_partition_cache", None)
         if release is not None:
             release()
-
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False,
-                        async_save: Optional[bool] = None) -> bool:
-        """Write checkpoint ``tag`` (default ``global_step<N>``; other values are named by
-        ``str(tag)``, as in DeepSpeed) under ``save_dir``. Collective: every rank calls it.
-        ``client_state``: JSON values, tensors, numpy arrays, tuples and
-        ``argparse.Namespace`` (docs/checkpoints.md); nothing is pickled.
-
-        Gradients accumulated in an unfinished accumulation window are not saved; save
-        after ``step()`` at a boundary for an exact resume.
-
-        ``async_save`` (default: ``checkpoint.writer.decoupled``): return once the state is
-        copied into host memory and write it in the background; at most one save is in
-        flight, and :meth:`wait_for_checkpoint` waits for it (docs/checkpoints.md).
-        """
-        if exclude_frozen_parameters:
-            raise StateError("save_checkpoint(exclude_frozen_parameters=True) is not "
-                             "implemented: zerotrain's checkpoint holds every parameter, "
-                             "frozen ones included; call it without the argument")
-        if self.micro_steps % self.gradient_accumulation_steps() != 0:
-            logger.warning("saving in the middle of gradient accumulation (micro step %d): "
-                           "the gradients accumulated so far are not saved", self.micro_steps)
-        self.settle()
-        self.wait_for_checkpoint()
-        if async_save is None:
-            writer_config = self.config.checkpoint.writer
-            async_save = writer_config is not None and writer_config.decoupled
-        if async_save and self._checkpoint_writer is None:
-            self._checkpoint_writer = checkpoint.BackgroundWriter()
-        self.last_checkpoint_report = checkpoint.save_checkpoint(
-            self._training_state(), save_dir, tag=None if tag is None else str(tag),
-            client_state=client_state, save_latest=save_latest,
-            writer=self._checkpoint_writer if async_save else None)
-        return True
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait for the asynchronous save in flight, if any; raise CheckpointError on every
-        rank if it failed (it was then not published). Collective: every rank calls it."""
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait(self.comm, debug=self.config.debug)
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
-                        load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Optional[str], Optional[dict]]:
-        """Load a checkpoint written at any world size and stage; returns ``(path,
-        client_state)``, or ``(None, None)`` when ``load_dir`` has none (as DeepSpeed).
-        Collective. Loading is always strict: ``load_module_strict=False`` is not
-        supported (a warning says so)."""
-        if not load_module_strict:
-            logger.warning("load_checkpoint(load_module_strict=False) is not supported; "
-                           "loading strictly")
-        if self.inference_only:   # as in DeepSpeed: no optimizer, so only the weights
-            load_optimizer_states = load_lr_scheduler_states = False
-        moved_states.refuse_while_away(self._moved, "load_checkpoint()")
-        self.settle()
-        self.wait_for_checkpoint()
-        result = checkpoint.load_checkpoint(
-            self._training_state(), load_dir, tag=None if tag is None else str(tag),
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only)
-        self.last_checkpoint_report = result.report
-        if result.path is None:
-            return None, None
-        if result.counters is not None:
-            for name, value in result.counters.items():
-                setattr(self, name, value)
-        self.stage.zero_grad()
-        self._backward_in_window = False
-        self._local_backwards = 0
-        self._last_outcome = None
-        self._lr_watch.rebase(self.lr_scheduler)
-        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
-        return result.path, result.client_state
 
 
 def _local_rank() -> int:

@@ -77,8 +77,9 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("communicator",),
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
     "stages": (("base",), ("buckets",), ("zero12", "zero3"), ("factory",), ("__init__",)),
-    "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership"),
-               ("api", "reports", "persistence"), ("engine",), ("__init__",)),
+    "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+                "fingerprint", "optimizer_choice"),
+               ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }
 

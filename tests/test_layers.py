@@ -78,7 +78,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
     "stages": (("base",), ("buckets",), ("zero12", "zero3"), ("factory",), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
-                "fingerprint", "optimizer_choice"),
+                "fingerprint", "optimizer_choice", "accumulation"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }

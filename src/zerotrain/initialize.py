@@ -94,7 +94,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         raise ConfigError("model", "initialize() needs model=")
     refuse_precompiled(model)
     held = open_stage_of(model)
-    if held is not None:   # Note: one open engine per model (engine.py)
+    if held is not None:   # Note: one open engine per model (engine/ownership.py)
         raise StateError(f"parameter {held[0]!r} is already trained by an open zerotrain "
                          "engine (its hooks would take this engine's gradients); call "
                          "destroy() on that engine first, or build a new model")

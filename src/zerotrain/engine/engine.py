@@ -13,41 +13,29 @@ Note: micro-steps and boundaries
     unchanged) before ``NonFiniteGradientError`` propagates, so a loop that catches it and
     goes on starts a fresh window of ``gradient_accumulation_steps`` micro-steps.
 
-Note: no_sync
-    At stages 0 and 1 each rank accumulates the full gradient and one backward reduces it:
-    the one that ends the accumulation window. Inside ``no_sync()`` a backward only
-    accumulates, even at the boundary, and the window's next backward outside it reduces
-    the whole sum; so a loop that wraps all but a window's last backward in ``no_sync`` ends
-    bit for bit where it would without it. The loss is still divided by
-    ``gradient_accumulation_steps`` (DeepSpeed stops dividing inside ``no_sync``). A step at
-    the boundary inside ``no_sync``, or after a ``no_sync`` backward that no reducing
-    backward has followed, raises StateError instead of updating with one rank's
-    gradients; ``step()`` at other micro-steps only counts them. Stages 2 and 3 reduce-scatter
-    every backward's gradients into shards, so there ``no_sync`` refuses, as DeepSpeed's
-    does. Nesting is allowed (leaving the inner context restores the outer state, as with
-    DDP's ``no_sync``; DeepSpeed refuses re-entry).
+When a backward keeps its gradients on this rank: Note "no_sync" in ``accumulation.py``.
 
 One open engine per model: Note in ``ownership.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from .. import checkpoint
 from ..comm import Communicator
-from .compile import Compilation, CompileSettings
+from .compile import Compilation, EngineCompile
 from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
+from .accumulation import EngineAccumulation
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
-from ..errors import ConfigError, NonFiniteGradientError, StateError
+from ..errors import NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
@@ -62,7 +50,8 @@ from ..utils import gradient_norms_by_group
 logger = logging.getLogger(__name__)
 
 
-class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, nn.Module):
+class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCompile,
+                 EngineAccumulation, nn.Module):
     """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``. DeepSpeed's
     one-line configuration accessors come from :class:`DeepSpeedEngineAPI`."""
 
@@ -177,49 +166,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, nn.Module
         if local or boundary:   # a boundary backward outside no_sync reduces them all
             self._local_backwards = self._local_backwards + 1 if local else 0
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside keep their gradients on this rank; the accumulation window's next
-        backward outside reduces them with its own (Note: no_sync). Stages 0 and 1 only."""
-        if self.stage.reduces_every_micro_step:
-            raise StateError(
-                f"engine.no_sync() is not supported at ZeRO stage "
-                f"{self.zero_optimization_stage()}: it partitions gradients, reduce-scattering "
-                "each backward's gradients into shards, so none can stay local (DeepSpeed "
-                "refuses it there too); accumulate with gradient_accumulation_steps instead")
-        outer, self.inside_no_sync_ctxt = self.inside_no_sync_ctxt, True
-        try:
-            yield
-        finally:
-            self.inside_no_sync_ctxt = outer
-
-    @contextlib.contextmanager
-    def coalesce_grad_reduction(self) -> Iterator[None]:
-        """DeepSpeed 0.19's one reduction per step: the backwards inside keep their
-        gradients on this rank and leaving the block reduces them once; ``step()`` comes
-        after it. Stage 1 accumulates locally as under ``no_sync``; stages 2 and 3
-        reduce-scatter each backward into the rank's shard sum, so there the block changes
-        how many reductions run, not the mean the step applies (as DeepSpeed's flush)."""
-        if self.zero_optimization_stage() == 0:
-            raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
-                                      "got stage 0")
-        if self.inside_no_sync_ctxt or self._coalescing:
-            raise StateError("coalesce_grad_reduction cannot be nested inside another no_sync "
-                             "or coalesce_grad_reduction block")
-        local = not self.stage.reduces_every_micro_step
-        self._coalescing = True
-        self.inside_no_sync_ctxt = local
-        try:
-            yield
-        finally:
-            self._coalescing = False
-            self.inside_no_sync_ctxt = False
-            if local and self._local_backwards:   # the flush: one reducing empty backward
-                self.stage.begin_backward(True)
-                self.stage.buckets.begin(True)
-                self.stage.finish_backward()
-                self._local_backwards = 0
-
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
         self._refuse_without_optimizer("step()")
@@ -252,49 +198,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, nn.Module
         self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
         self.micro_steps += 1
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
-
-    def compile(self, backend: Any = "inductor", mode: Optional[str] = None, *,
-                compile_kwargs: Optional[dict] = None, schedule: Any = None,
-                compiled_autograd_enabled: bool = False, fallback: Optional[str] = None,
-                **kwargs: Any) -> None:
-        """``torch.compile`` the module the way the stage allows (docs/compile.md): whole
-        at stages 0-2, per unit (block) at stage 3, hooks outside the graphs. Call it on
-        every rank; it compiles lazily, at each module's first forward.
-
-        ``kwargs`` (or DeepSpeed's ``compile_kwargs`` dict) go to ``torch.compile``;
-        ``fallback="eager"`` runs a block that fails to compile eagerly instead of
-        raising. Calling it again replaces the earlier compilation. DeepSpeed's
-        ``schedule`` (DeepCompile) and ``compiled_autograd_enabled`` are not supported.
-        """
-        if schedule is not None or compiled_autograd_enabled:
-            raise ConfigError("compile", "DeepCompile schedules and compiled autograd are "
-                              "not supported; call engine.compile(backend, mode, **kwargs)")
-        settings = CompileSettings(backend=backend, mode=mode,
-                                   options={**(compile_kwargs or {}), **kwargs},
-                                   fallback=fallback)
-        previous, self._compilation = self._compilation, None
-        if previous is not None:
-            previous.undo()
-        try:
-            compilation = Compilation(self.stage.compile_targets(self.module), settings,
-                                      stage=self.zero_optimization_stage())
-        except Exception:
-            if previous is not None:   # a failed call leaves the engine as it was
-                previous.install()
-                self._compilation = previous
-            raise
-        compilation.install()
-        self._compilation = compilation
-
-    @property
-    def is_compiled(self) -> bool:
-        """Whether ``compile`` (or the config's ``compile.enabled``) compiled the module."""
-        return self._compilation is not None
-
-    @property
-    def compiled_modules(self) -> list[str]:
-        """Paths of the modules whose forward is compiled ('<root>': the whole model)."""
-        return list(self._compilation.names) if self._compilation else []
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
         if not self._backward_in_window:
@@ -358,10 +261,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, nn.Module
         finally:
             self._checkpoint_writer = None      # its staging buffer goes with it
             close_stage(self.stage, self.module)
-
-    def destroy(self) -> None:
-        """DeepSpeed's name for :meth:`close`."""
-        self.close()
 
     def _skip(self, outcome: StepOutcome) -> Optional[NonFiniteGradientError]:
         """A non-finite gradient, counted as skipped: fp16 rescales; otherwise the
@@ -427,19 +326,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, nn.Module
                             f"{type(is_boundary).__name__}")
         self._boundary_override = is_boundary   # the next backward() tells the stage
 
-    def was_step_applied(self) -> bool:
-        return bool(self._last_outcome and self._last_outcome.applied)
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        return None if self._last_outcome is None else self._last_outcome.grad_norm
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""
         try:
@@ -472,19 +358,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, nn.Module
         """DeepSpeed's ``reload_states``: every state ``offload_states`` moved back on the
         device."""
         self._moved.reload(non_blocking=non_blocking)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save`` (Accelerate
-        asks it before saving a stage-3 model)."""
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-
-    def empty_partition_cache(self) -> None:
-        """DeepSpeed's: free the full parameters stage 3 still holds gathered between steps
-        (persistent ones stay); nothing is gathered to free at stages 0-2."""
-        release = getattr(self.stage, "empty_partition_cache", None)
-        if release is not None:
-            release()
-
 
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))

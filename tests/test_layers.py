@@ -48,12 +48,12 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine",), ("initialize",), ("planner",), ("__init__", "cli", "demo", "__main__"),
+    (("engine",), ("initialize",), ("planner",), ("__init__", "cli", "launch", "demo", "__main__"),
      ("integrations", "as_deepspeed")),
 )
 # Tiers whose members may import one another (entry points).
 PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
-    {("__init__", "cli", "demo", "__main__")})
+    {("__init__", "cli", "launch", "demo", "__main__")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})

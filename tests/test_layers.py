@@ -70,11 +70,12 @@ NEVER_IMPORTS: dict[str, frozenset[str]] = {
 # (stages, once isolated this way, now has package rows: zero12 and zero3 share a row.)
 ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 # Packages whose submodules have rows of their own, lowest first (as in ROWS): a submodule
-# imports only from rows above its own. comm: set-up and the ledger, then the Communicator
-# over them, then DeepSpeed's function API and the two-group collectives, then the package's
-# re-exports.
+# imports only from rows above its own. comm: set-up and the ledger, then the named
+# failures, then the Communicator over them, then DeepSpeed's function API and the
+# two-group collectives, then the package's re-exports.
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("communicator",),
+    "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures",),
+             ("communicator",),
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
     "stages": (("base",), ("buckets",), ("zero12", "zero3"), ("factory",), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",

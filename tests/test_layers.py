@@ -44,7 +44,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
       "offload_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("activation",), ("zero", "checkpointing")),
+    (("stages",), ("recompute",), ("zero", "checkpointing")),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import activation
+from . import recompute
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device, set_group_timeout)
 from .comm.mesh import build_mesh
@@ -122,7 +122,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         check_client_optimizer(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
     inference = optimizer is None and cfg.optimizer is None   # an engine for forward only
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
-        activation.configure(None, deepspeed_config=cfg)
+        recompute.configure(None, deepspeed_config=cfg)
 
     adopt(cfg.zero_optimization.stage, model, comm)   # stages 0-2 train full parameters
     model = _place_module(model, device, policy.param_dtype)

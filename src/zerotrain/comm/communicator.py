@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from .failures import _DescribedWork, _Failure
-from .topology import Partition, Topology, group_of, local_node_entry
+from .topology import Topology, group_of, local_node_entry
 from .ledger import CommLedger
 from .setup import group_backends, group_timeout
 
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 # torch 2.13 renames the tensor collectives; torch 2.4 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_coalescing_manager = getattr(dist.distributed_c10d, "_coalescing_manager", None)
+_coalescing_manager: Any = getattr(dist.distributed_c10d, "_coalescing_manager", None)
 
 # Process groups are costly to create and never freed by torch before shutdown: each
 # partition gets its group once per process (keyed by the default group it was made from).
@@ -108,7 +108,7 @@ class Communicator:
         return Communicator(self.group, debug=self.debug, topology=topology,
                             ledger=self.ledger)
 
-    def subgroup(self, partition: Partition) -> "Communicator":
+    def subgroup(self, partition: Sequence[Sequence[int]]) -> "Communicator":
         """The group of ``partition`` (global rank lists) holding this rank, recording into
         this communicator's ledger. Collective over the default group the first time a
         partition is asked for (every rank must ask for the same partitions in the same
@@ -250,7 +250,8 @@ class Communicator:
         return self._call("all_to_all", input, label, async_op, lambda: dist.all_to_all_single(
             output, input, group=self.group, async_op=async_op))
 
-    def _call(self, op: str, tensor: torch.Tensor, label: str, async_op: bool, launch):
+    def _call(self, op: str, tensor: Optional[torch.Tensor], label: str, async_op: bool,
+              launch):
         """Run a collective; name it in any error (Note: named failures), and with ``debug``
         log it first."""
         self.ledger.trail.note(op, None if tensor is None else tensor.numel(), label)
@@ -338,7 +339,7 @@ def _describe(backends: Mapping[str, str]) -> str:
     return ",".join(f"{device}:{name}" for device, name in backends.items())
 
 
-def _reduce_op(name: str) -> dist.ReduceOp:
+def _reduce_op(name: str) -> dist.ReduceOp.RedOpType:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
            "avg": dist.ReduceOp.AVG}
     if name not in ops:

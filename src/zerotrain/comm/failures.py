@@ -42,7 +42,7 @@ class _Failure:
         tensor = self.tensor
         if self.count:
             size = "" if self.elements is None else f"{self.elements} elements, "
-            of = f" of {self.count} tensors ({size}{tensor.dtype})"
+            of = f" of {self.count} tensors ({size}{getattr(tensor, 'dtype', '?')})"
         elif tensor is not None:
             of = f" of {tuple(tensor.shape)} {tensor.dtype}"
         else:

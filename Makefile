@@ -1,6 +1,7 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
 # `make test-fast` skips the tests marked slow (the inner loop); `make lint` runs ruff with
-# the short rule set in pyproject.toml ([tool.ruff.lint]).
+# the short rule set in pyproject.toml ([tool.ruff.lint]); `make typecheck` runs mypy on
+# core/ and comm/ (clean today), installing the pinned mypy when missing.
 # `make gpu-check` is the first command on a GPU machine (bench/README.md); `make gpu-wheels`
 # fetches, here, the wheels it installs there (needs PyPI; not part of `make test`).
 PYTHON ?= python3
@@ -8,8 +9,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # CPU build of torch for development and CI (a plain `torch` pulls a multi-GB CUDA build).
 TORCH_PIN := torch==2.13.0
+MYPY_PIN := mypy==2.4.1
 
-.PHONY: demo test test-fast lint install clean gpu-check gpu-wheels
+.PHONY: demo test test-fast lint typecheck install clean gpu-check gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,8 +34,14 @@ test-fast: install
 lint: install
 	$(PY) -m ruff check src tests bench examples
 
+# torch's own annotations are read; packages without them (safetensors...) count as Any
+typecheck: install
+	$(PY) -m mypy --version >/dev/null 2>&1 || $(PY) -m pip install -q "$(MYPY_PIN)"
+	$(PY) -m mypy --ignore-missing-imports --follow-imports=silent src/zerotrain/core \
+		src/zerotrain/comm
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .mypy_cache
 
 # The GPU machine has torch but no network and no pydantic: it runs whichever python holds
 # torch there, from src/ (nothing built); here the project's venv when it exists.

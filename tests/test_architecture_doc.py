@@ -14,7 +14,7 @@ def _doc_rows() -> dict[int, set[str]]:
         match = re.match(r"\| (\d) \| (.*?) \|", line)
         if match:
             names = re.findall(r"`([A-Za-z_0-9]+)/?`", match.group(2))
-            rows[int(match.group(1))] = set(names)
+            rows.setdefault(int(match.group(1)), set()).update(names)
     return rows
 
 

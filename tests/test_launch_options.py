@@ -59,7 +59,7 @@ def test_auto_resume_is_for_the_launchers_children_only(torchrun, monkeypatch):
     launcher: it does not resume from the script's checkpoints."""
     import os
 
-    from zerotrain.initialize import _launched_auto_resume
+    from zerotrain.engine.resume import launched_auto_resume as _launched_auto_resume
     assert main(["launch", "--auto-resume", "ckpt", "train.py"]) == 0
     assert os.environ["ZEROTRAIN_AUTO_RESUME_LAUNCHER"] == str(os.getpid())
     monkeypatch.setenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER", str(os.getppid()))

@@ -44,16 +44,16 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
       "offload_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("activation",), ("zero", "checkpointing")),
+    (("stages",), ("recompute",), ("zero", "checkpointing")),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine",), ("initialize",), ("planner",), ("__init__", "cli", "demo", "__main__"),
+    (("engine",), ("initialize",), ("planner",), ("__init__", "cli", "launch", "demo", "__main__"),
      ("integrations", "as_deepspeed")),
 )
 # Tiers whose members may import one another (entry points).
 PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
-    {("__init__", "cli", "demo", "__main__")})
+    {("__init__", "cli", "launch", "demo", "__main__")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
@@ -70,16 +70,18 @@ NEVER_IMPORTS: dict[str, frozenset[str]] = {
 # (stages, once isolated this way, now has package rows: zero12 and zero3 share a row.)
 ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 # Packages whose submodules have rows of their own, lowest first (as in ROWS): a submodule
-# imports only from rows above its own. comm: set-up and the ledger, then the Communicator
-# over them, then DeepSpeed's function API and the two-group collectives, then the package's
-# re-exports.
+# imports only from rows above its own. comm: set-up and the ledger, then the named
+# failures, then the Communicator over them, then DeepSpeed's function API and the
+# two-group collectives, then the package's re-exports.
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("communicator",),
+    "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures",),
+             ("communicator",),
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory",), ("__init__",)),
-    "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership"),
-               ("api", "reports"), ("engine",), ("__init__",)),
+    "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+                "fingerprint", "optimizer_choice", "accumulation"),
+               ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }
 

@@ -5,10 +5,10 @@ A DeepSpeed script moves over unchanged::
     zerotrain.checkpointing.configure(None, deepspeed_config=args.deepspeed_config)
     x = zerotrain.checkpointing.checkpoint(block, x, mask)
 
-The implementation, its settings and its Notes are in ``activation.py``; this module only
+The implementation, its settings and its Notes are in ``recompute.py``; this module only
 gives them DeepSpeed's name, as ``zero/`` does for ``zero3/``.
 """
-from .activation import (checkpoint, configure, current_settings, is_configured,
+from .recompute import (checkpoint, configure, current_settings, is_configured,
                          non_reentrant_checkpoint, reset)
 
 __all__ = ["checkpoint", "configure", "current_settings", "is_configured",

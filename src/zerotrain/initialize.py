@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import json
 import logging
 import math
 import os
@@ -35,10 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import activation
-from .checkpoint import CheckpointError
-from .checkpoint.deepspeed import is_deepspeed_tag_dir, tag_steps
-from .checkpoint.fs import resume_candidates
+from . import recompute
 from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device, set_group_timeout)
 from .comm.mesh import build_mesh
@@ -47,16 +42,18 @@ from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_
                      unimplemented_message)
 from .dataloader import DistributedLoader
 from .engine import ZeroEngine
+from .engine.fingerprint import check_same_across_ranks, fingerprint
+from .engine.optimizer_choice import (no_optimizer, optimizer_factory, scheduler_for,
+                                      trainable_groups)
 from .engine.ownership import close_stage, open_stage_of
-from .errors import ConfigError, RankMismatchError, StateError
-from .optim import (InferenceOnlyOptimizer, build_optimizer, check_client_optimizer,
-                    param_groups_from, retarget_optimizer)
+from .engine.resume import auto_resume
+from .errors import ConfigError, StateError
+from .optim import check_client_optimizer
 from .core.precision import PrecisionPolicy
-from .schedules import build_scheduler
 from .utils import register_engine
 from .stages.factory import adopt, build_stage, stage_class
 from .tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
-from .stages.zero3.partition import full_shape, is_partitioned
+from .stages.zero3.partition import is_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +94,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         raise ConfigError("model", "initialize() needs model=")
     refuse_precompiled(model)
     held = open_stage_of(model)
-    if held is not None:   # Note: one open engine per model (engine.py)
+    if held is not None:   # Note: one open engine per model (engine/ownership.py)
         raise StateError(f"parameter {held[0]!r} is already trained by an open zerotrain "
                          "engine (its hooks would take this engine's gradients); call "
                          "destroy() on that engine first, or build a new model")
@@ -125,7 +122,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         check_client_optimizer(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
     inference = optimizer is None and cfg.optimizer is None   # an engine for forward only
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
-        activation.configure(None, deepspeed_config=cfg)
+        recompute.configure(None, deepspeed_config=cfg)
 
     adopt(cfg.zero_optimization.stage, model, comm)   # stages 0-2 train full parameters
     model = _place_module(model, device, policy.param_dtype)
@@ -140,18 +137,18 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         model_parameters = list(model_parameters)   # its split parameters are replaced
     plan = _split_tensor_parallel(model, cfg, comm, optimizer, model_parameters)
     stage_comm = comm if plan is None else plan.mesh.dp   # ZeRO over data parallel only
-    groups = [] if inference else _trainable_groups(model, optimizer, model_parameters)
+    groups = [] if inference else trainable_groups(model, optimizer, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
     stage = build_stage(
         cfg.zero_optimization.stage, module=model,
         groups=[([names[id(p)] for p in g["params"]], g["params"]) for g in groups],
         comm=stage_comm, policy=policy, zero_config=cfg.zero_optimization,
-        make_optimizer=(_no_optimizer if inference
-                        else _optimizer_factory(cfg, optimizer, groups, device)))
+        make_optimizer=(no_optimizer if inference
+                        else optimizer_factory(cfg, optimizer, groups, device)))
     if plan is not None:
         stage = TensorParallelStage(stage, plan, model)
 
-    scheduler = _scheduler(cfg, lr_scheduler, stage.optimizer)
+    scheduler = scheduler_for(cfg, lr_scheduler, stage.optimizer)
     loader = None
     if training_data is not None:
         loader = DistributedLoader(training_data,
@@ -161,7 +158,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     engine = ZeroEngine(model, config=cfg, comm=comm, stage=stage, policy=policy,
                         lr_scheduler=scheduler, training_dataloader=loader)
     register_engine(engine, model.parameters())   # for zerotrain.utils.safe_get_full_*
-    _auto_resume(engine, cfg)
+    auto_resume(engine, cfg)
     if cfg.compile.enabled:
         engine.compile(backend=cfg.compile.backend, fallback=cfg.compile.fallback,
                        **cfg.compile.kwargs)
@@ -195,53 +192,6 @@ def _split_tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, comm: Communi
         model_parameters[:] = [moved.get(id(p), p) if isinstance(p, torch.Tensor) else p
                                for p in model_parameters]
     return plan
-
-
-AUTO_RESUME_ENV = "ZEROTRAIN_AUTO_RESUME"  # set by `zerotrain launch --auto-resume DIR`
-AUTO_RESUME_LAUNCHER_ENV = "ZEROTRAIN_AUTO_RESUME_LAUNCHER"   # the launcher's pid
-
-
-def _launched_auto_resume() -> Optional[str]:
-    """``ZEROTRAIN_AUTO_RESUME`` when it is meant for this process: set by hand (no
-    launcher pid beside it), or by ``zerotrain launch`` whose direct child (a torchrun
-    worker) this is. A job the training script starts inherits the variables but has
-    another parent, so it does not resume from the script's checkpoints."""
-    directory = os.environ.get(AUTO_RESUME_ENV)
-    launcher = os.environ.get(AUTO_RESUME_LAUNCHER_ENV)
-    if directory and launcher is not None and launcher != str(os.getppid()):
-        return None
-    return directory
-
-
-def _auto_resume(engine: ZeroEngine, cfg: ZeroTrainConfig) -> None:
-    """Load the newest checkpoint of ``checkpoint.auto_resume`` that loads.
-
-    The tag ``latest`` names is tried first, then the other complete tags, newest first
-    (``checkpoint.fs.resume_candidates``): zerotrain's by their manifest's step count,
-    DeepSpeed's ``global_stepN`` by N. Each tag skipped is named in a warning. With
-    checkpoints present and none loadable it raises rather than start over from step 0
-    (and later overwrite them)."""
-    directory = cfg.checkpoint.auto_resume or _launched_auto_resume()
-    if directory and is_deepspeed_tag_dir(directory):   # global_stepN/ itself: say so
-        raise ConfigError("checkpoint.auto_resume", f"{directory} is one tag of a DeepSpeed "
-                          "checkpoint; give the save directory that holds it and its "
-                          f"'latest' file ({os.path.dirname(os.path.abspath(directory))})")
-    if not directory or not os.path.isdir(directory):
-        return
-    candidates, notes = resume_candidates(directory, other_steps=tag_steps)
-    for tag in candidates:   # a failed load changes nothing, so the next one can be tried
-        try:
-            path, _ = engine.load_checkpoint(directory, tag=tag)
-        except CheckpointError as exc:
-            notes.append(f"{tag}: {exc}")
-            continue
-        for note in notes:
-            logger.warning("auto-resume: skipped %s", note)
-        logger.info("auto-resume: continued from %s at step %d", path, engine.global_steps)
-        return
-    if candidates:
-        raise CheckpointError(f"auto-resume: {directory} holds checkpoints but none of them "
-                              f"loads, so training does not start over: {'; '.join(notes)}")
 
 
 def _user_stacklevel() -> int:
@@ -325,103 +275,3 @@ def _place_module(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
         if not p.is_contiguous():
             p.data = p.data.contiguous()
     return model
-
-
-def _trainable_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
-    """Parameter groups (dicts) of trainable module parameters, in a fixed order."""
-    if optimizer is not None:
-        groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
-    elif model_parameters is not None:
-        groups = param_groups_from(model_parameters)
-    else:
-        groups = [{"params": list(model.parameters())}]
-    owned = {id(p) for p in model.parameters()}
-    for g in groups:
-        for p in g["params"]:
-            if id(p) not in owned:
-                raise ConfigError("model_parameters", f"a parameter of shape {tuple(p.shape)} "
-                                  "is not a parameter of the model")
-        g["params"] = [p for p in g["params"] if p.requires_grad]
-    if not any(g["params"] for g in groups):
-        raise ConfigError("model_parameters", "the model has no trainable parameters")
-    return groups
-
-
-def _optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device):
-    def make(shards: list[list[torch.Tensor]], *, host_step: bool) -> torch.optim.Optimizer:
-        """One list of flat shard tensors per parameter group; ``host_step``: the stage's
-        storage steps them on the host (the factory asks it, ``Storage.steps_on_host``)."""
-        if client is not None:
-            return retarget_optimizer(client, shards)
-        shard_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": s}
-                        for g, s in zip(groups, shards)]
-        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, shard_groups,
-                               device=torch.device("cpu") if host_step else device,
-                               host_step=host_step)
-    return make
-
-
-def _no_optimizer(shards: list[list[torch.Tensor]], *, host_step: bool
-                  ) -> torch.optim.Optimizer:
-    """The stage's optimizer for an engine built without one (forward only): no groups."""
-    return InferenceOnlyOptimizer()
-
-
-def _scheduler(cfg: ZeroTrainConfig, client, optimizer: torch.optim.Optimizer):
-    if cfg.scheduler is not None:
-        return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
-    if client is not None and not hasattr(client, "step") and callable(client):
-        return client(optimizer)
-    return client
-
-
-def fingerprint(model: nn.Module, cfg: ZeroTrainConfig) -> dict:
-    """What must be identical on every rank: parameter and buffer names/shapes/dtypes (rank
-    0's are broadcast into them) and the config."""
-    params = [(n, tuple(full_shape(p)), str(p.dtype), p.requires_grad)
-              for n, p in model.named_parameters()]
-    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
-    digest = hashlib.sha256(json.dumps([params, buffers]).encode()).hexdigest()[:16]
-    return {"parameters": digest, "parameter_list": params, "buffer_list": buffers,
-            "config": json.dumps(cfg.raw, sort_keys=True, default=str)}
-
-
-def check_same_across_ranks(comm: Communicator, local: dict) -> None:
-    """Raise RankMismatchError on every rank when any rank's fingerprint differs."""
-    if comm.world_size == 1:
-        return
-    everyone = comm.all_gather_object(local)
-    reference = everyone[0]
-    for rank, other in enumerate(everyone):
-        if other["config"] != reference["config"]:
-            key = _config_difference(json.loads(reference["config"]),
-                                     json.loads(other["config"]))
-            raise RankMismatchError(f"rank {rank} has a different config than rank 0: {key}")
-        if other["parameters"] != reference["parameters"]:
-            raise RankMismatchError(
-                f"rank {rank} has a different model than rank 0: "
-                f"{_first_difference(reference, other)}")
-
-
-def _config_difference(a: Any, b: Any, path: str = "") -> str:
-    """The first dotted key whose value differs, with both values."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
-            where = f"{path}.{key}" if path else key
-            if key not in a or key not in b:
-                side = "rank 0" if key in a else "the other rank"
-                return f"{where} is set only on {side}"
-            if a[key] != b[key]:
-                return _config_difference(a[key], b[key], where)
-    return f"{path or 'the config'} is {a!r} on rank 0, {b!r} on the other rank"
-
-
-def _first_difference(reference: dict, other: dict) -> str:
-    for kind in ("parameter", "buffer"):
-        a, b = reference[f"{kind}_list"], other[f"{kind}_list"]
-        for i, (x, y) in enumerate(zip(a, b)):
-            if tuple(x) != tuple(y):
-                return f"{kind} {i}: rank 0 has {tuple(x)}, the other rank has {tuple(y)}"
-        if len(a) != len(b):
-            return f"rank 0 has {len(a)} {kind}s, the other rank has {len(b)}"
-    return "the fingerprints differ"

@@ -61,12 +61,12 @@ class Net(nn.Module):
 @contextlib.contextmanager
 def _restored_checkpointing():
     """The pool's ranks live on between tests: leave checkpointing as it was found."""
-    from zerotrain import activation
-    saved = activation._settings, activation._configured
+    from zerotrain import recompute
+    saved = recompute._settings, recompute._configured
     try:
         yield
     finally:
-        activation._settings, activation._configured = saved
+        recompute._settings, recompute._configured = saved
 
 
 def _watch_releases(engine) -> list:

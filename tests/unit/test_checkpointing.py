@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerotrain import activation, checkpointing
+from zerotrain import checkpointing, recompute
 from zerotrain.config import (ActivationCheckpointingConfig, ZeroTrainConfigWarning,
                               load_activation_checkpointing, load_config)
 from zerotrain.errors import ConfigError
@@ -19,9 +19,9 @@ from zerotrain.errors import ConfigError
 @pytest.fixture(autouse=True)
 def restored_settings():
     """Settings are module state (as in DeepSpeed); every test leaves them as found."""
-    saved = activation._settings, activation._configured
+    saved = recompute._settings, recompute._configured
     yield
-    activation._settings, activation._configured = saved
+    recompute._settings, recompute._configured = saved
 
 
 class Block(nn.Module):

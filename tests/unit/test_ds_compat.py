@@ -179,7 +179,7 @@ def test_python_dash_m_zerotrain_runs_the_command(monkeypatch, capsys):
     (["t.py", "--as-deepspeed"], ["t.py", "--as-deepspeed"]),
 ])
 def test_launch_as_deepspeed_runs_the_script_through_the_switch(argv, expected):
-    from zerotrain.cli import _as_deepspeed
+    from zerotrain.launch import _as_deepspeed
 
     assert _as_deepspeed(argv) == expected
 

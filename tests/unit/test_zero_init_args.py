@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerotrain.stages.zero3.init import Init
+from zerotrain.stages.zero3.zero_init import Init
 from zerotrain.stages.zero3.writes import PartitionedWrites
 
 

@@ -13,6 +13,8 @@ One module per job, lowest first:
 * ``setup``: the default process group (``init_distributed``), which backend serves which
   device, the training device, group timeouts (Note: the training device);
 * ``ledger``: :class:`CommLedger` (Note: intra-node and cross-node bytes);
+* ``failures``: what a collective was, turned into a ``CollectiveError`` naming it only
+  when it fails (Note: named failures);
 * ``communicator``: :class:`Communicator`, the one place zerotrain's own collectives are
   launched (Notes: collective devices, coalesced gathers);
 * ``deepspeed_api``: DeepSpeed's ``deepspeed.comm`` functions (``get_rank``,

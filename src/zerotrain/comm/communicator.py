@@ -3,18 +3,8 @@
 Why a module of its own: every collective zerotrain runs (gradient reduction, stage-3
 gathers, checkpoint agreement, ZeRO++'s two-level schemes) goes through one object that
 checks where its tensors are, records them in a :class:`~zerotrain.comm.ledger.CommLedger`,
-and names the collective in any error, so nothing reaches torch.distributed unchecked or
-uncounted.
-
-Note: named failures
-    A collective that fails or times out (a rank never arrives: only rank 0 saves, a rank
-    sleeps past ``comms_timeout``) raises :class:`~zerotrain.errors.CollectiveError` naming
-    the operation, its tensor, its label (what zerotrain was doing: ``gradient bucket 3``,
-    ``unit block.2``, ``checkpoint save: ...``), the group's size and its timeout, always,
-    not only with ``debug``. The cost on the success path is a ``try`` around the launch
-    and, for async calls, a small handle around the work whose ``wait()`` has one too; the
-    message is built only when something fails. ``debug`` adds a log line per collective
-    (which formats a string on every call, so it stays opt-in).
+and names the collective in any error (Note "named failures" in ``failures.py``), so
+nothing reaches torch.distributed unchecked or uncounted.
 
 Note: collective devices
     Every tensor handed to a collective must be on a device the group's backend serves, and
@@ -40,7 +30,7 @@ Note: coalesced gathers
     the collectives pair up.
 
 Note: a traced world
-    The memory planner (``planner.py``) runs one rank of a world over torch's fake process
+    The memory planner (``planner/``) runs one rank of a world over torch's fake process
     group (backend ``fake``), on fake tensors: its collectives return at once and carry no
     data. :attr:`Communicator.carries_data` is False there, and what reads a collective's
     values to check the ranks against each other (the step fingerprint, the stage-3 gather
@@ -58,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .topology import Partition, Topology, group_of, local_node_entry
+from .failures import _DescribedWork, _Failure
+from .topology import Topology, group_of, local_node_entry
 from .ledger import CommLedger
 from .setup import group_backends, group_timeout
 
@@ -67,7 +58,7 @@ logger = logging.getLogger(__name__)
 # torch 2.13 renames the tensor collectives; torch 2.4 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_coalescing_manager = getattr(dist.distributed_c10d, "_coalescing_manager", None)
+_coalescing_manager: Any = getattr(dist.distributed_c10d, "_coalescing_manager", None)
 
 # Process groups are costly to create and never freed by torch before shutdown: each
 # partition gets its group once per process (keyed by the default group it was made from).
@@ -117,7 +108,7 @@ class Communicator:
         return Communicator(self.group, debug=self.debug, topology=topology,
                             ledger=self.ledger)
 
-    def subgroup(self, partition: Partition) -> "Communicator":
+    def subgroup(self, partition: Sequence[Sequence[int]]) -> "Communicator":
         """The group of ``partition`` (global rank lists) holding this rank, recording into
         this communicator's ledger. Collective over the default group the first time a
         partition is asked for (every rank must ask for the same partitions in the same
@@ -259,7 +250,8 @@ class Communicator:
         return self._call("all_to_all", input, label, async_op, lambda: dist.all_to_all_single(
             output, input, group=self.group, async_op=async_op))
 
-    def _call(self, op: str, tensor: torch.Tensor, label: str, async_op: bool, launch):
+    def _call(self, op: str, tensor: Optional[torch.Tensor], label: str, async_op: bool,
+              launch):
         """Run a collective; name it in any error (Note: named failures), and with ``debug``
         log it first."""
         self.ledger.trail.note(op, None if tensor is None else tensor.numel(), label)
@@ -285,70 +277,6 @@ class Communicator:
     def barrier(self, *, label: str = "") -> None:
         """Wait until every rank of the group arrives; named (with ``label``) in any error."""
         self._call("barrier", None, label, False, lambda: dist.barrier(group=self.group))
-
-
-class _Failure:
-    """What a collective was, kept cheaply (no formatting) until it fails or is logged."""
-
-    __slots__ = ("comm", "op", "tensor", "label", "count", "elements")
-
-    def __init__(self, comm: "Communicator", op: str, tensor: Optional[torch.Tensor],
-                 label: str, *, count: int = 0) -> None:
-        # The tensor is read only when a message is built; an async handle keeping it holds
-        # nothing longer than the backend's work it wraps, which holds it too.
-        self.comm, self.op, self.tensor, self.label, self.count = comm, op, tensor, label, count
-        self.elements: Optional[int] = None   # of ``count`` tensors, where known
-
-    def what(self) -> str:
-        """``rank 0: reduce_scatter of (640,) torch.float32 for gradient bucket 3``."""
-        tensor = self.tensor
-        if self.count:
-            size = "" if self.elements is None else f"{self.elements} elements, "
-            of = f" of {self.count} tensors ({size}{tensor.dtype})"
-        elif tensor is not None:
-            of = f" of {tuple(tensor.shape)} {tensor.dtype}"
-        else:
-            of = ""
-        return (f"rank {self.comm.rank}: {self.op}{of}"
-                + (f" for {self.label}" if self.label else ""))
-
-    def error(self, exc: BaseException) -> CollectiveError:
-        """The CollectiveError for ``exc``: what failed, over how many ranks, with which
-        timeout, and, for a timeout, what it usually means."""
-        try:
-            timeout = group_timeout(self.comm.group)
-        except Exception:  # noqa: BLE001 - a group torch has torn down: say nothing of it
-            timeout = None
-        waited = "" if timeout is None else f", timeout {timeout.total_seconds():g}s"
-        hint = ""
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            hint = (" (a rank of the group did not join this collective in time: every rank "
-                    "must make the same collectives in the same order; comms_timeout sets "
-                    "how long a rank waits)")
-        return CollectiveError(f"{self.what()} failed (group of {self.comm.world_size} ranks"
-                               f"{waited}): {exc}{hint}")
-
-
-class _DescribedWork:
-    """An async work handle whose ``wait()`` failure names the collective. What it was is
-    kept as given (a ``_Failure``, or the arguments of one) and made into a message only on
-    failure: launching costs one small object."""
-
-    __slots__ = ("_work", "_what")
-
-    def __init__(self, work, what: "_Failure | tuple") -> None:
-        self._work = work
-        self._what = what
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        except Exception as exc:
-            what = self._what
-            raise (what if isinstance(what, _Failure) else _Failure(*what)).error(exc) from exc
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
 
 
 def coalescable(outputs: Sequence[torch.Tensor]) -> bool:
@@ -411,7 +339,7 @@ def _describe(backends: Mapping[str, str]) -> str:
     return ",".join(f"{device}:{name}" for device, name in backends.items())
 
 
-def _reduce_op(name: str) -> dist.ReduceOp:
+def _reduce_op(name: str) -> dist.ReduceOp.RedOpType:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
            "avg": dist.ReduceOp.AVG}
     if name not in ops:

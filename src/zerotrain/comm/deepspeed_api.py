@@ -75,7 +75,7 @@ def get_all_ranks_from_group(group: Optional[dist.ProcessGroup] = None) -> list[
     return list(dist.get_process_group_ranks(group))
 
 
-def get_world_group() -> dist.ProcessGroup:
+def get_world_group() -> Optional[dist.ProcessGroup]:
     _require_group("get_world_group")
     return dist.group.WORLD
 

@@ -121,6 +121,8 @@ def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[datetim
     torch does not say; subgroups are made with it, so they keep ``comms_timeout`` (torch
     would give them its 30-minute default)."""
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:   # no process group: torch has nothing to say
+        return None
     for device in ("cuda", "cpu"):
         try:
             return pg._get_backend(torch.device(device)).options._timeout

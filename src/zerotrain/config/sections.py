@@ -107,7 +107,7 @@ class ActivationCheckpointingConfig(_Section):
     segment's forward and recomputation time at DEBUG. ``partition_activations`` and
     ``contiguous_memory_optimization`` (with ``number_checkpoints`` buffers) only act across
     a model-parallel group; in data-parallel training they change nothing (Note "options
-    that need model parallelism" in ``activation.py``).
+    that need model parallelism" in ``recompute.py``).
     """
 
     partition_activations: bool = False

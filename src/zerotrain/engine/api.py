@@ -14,7 +14,8 @@ data-parallel group is the world, or world / T of it).
 
 The mixin reads what the engine sets in ``__init__``: ``config`` (``ZeroTrainConfig``),
 ``comm`` (its world), ``optimizer`` and ``stage`` (whose ``optimizer`` is the torch
-optimizer over the shards).
+optimizer over the shards), ``loss_scaler`` and ``_last_outcome`` (the last step's
+:class:`~zerotrain.stages.base.StepOutcome`); ``destroy()`` is the engine's ``close()``.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class DeepSpeedEngineAPI:
     comm: Any
     optimizer: Any
     stage: Any
+    loss_scaler: Any
+    _last_outcome: Any
 
     # ------------------------------------------------------------------ batch sizes
     def train_batch_size(self) -> int:
@@ -156,3 +159,34 @@ class DeepSpeedEngineAPI:
         rank's shard file of the tag, beside the weights. DeepSpeed's checkpoint tests
         wrap this to check that a load without optimizer states asks for no such file."""
         return os.path.join(checkpoints_path, str(tag), rank_file(self.comm.rank))
+
+    # ------------------------------------------------------------------ the last step
+    def was_step_applied(self) -> bool:
+        return bool(self._last_outcome and self._last_outcome.applied)
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return None if self._last_outcome is None else self._last_outcome.grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------ saving, closing
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save`` (Accelerate
+        asks it before saving a stage-3 model)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free the full parameters stage 3 still holds gathered between steps
+        (persistent ones stay); nothing is gathered to free at stages 0-2."""
+        release = getattr(self.stage, "empty_partition_cache", None)
+        if release is not None:
+            release()
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for :meth:`close`."""
+        self.close()

@@ -59,7 +59,7 @@ from ..stages.base import CompileTarget
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileSettings", "Compilation", "refuse_precompiled"]
+__all__ = ["CompileSettings", "Compilation", "EngineCompile", "refuse_precompiled"]
 
 FALLBACKS = (None, "eager")
 # torch.compile modes that record CUDA graphs (Note: no CUDA graphs at stage 3)
@@ -222,3 +222,56 @@ def refuse_precompiled(model: nn.Module) -> None:
             where = f"submodule {name!r}" if name else "the model"
             raise ConfigError("model", f"{where} was compiled with Module.compile() before "
                               f"initialize; {fix}")
+
+
+class EngineCompile:
+    """The engine's ``compile()``, ``is_compiled`` and ``compiled_modules``: a mixin
+    :class:`~zerotrain.engine.ZeroEngine` inherits, reading its ``module`` and ``stage``
+    and holding the one :class:`Compilation` in force (``_compilation``)."""
+
+    module: nn.Module
+    stage: Any
+    _compilation: Optional[Compilation]
+
+    def compile(self, backend: Any = "inductor", mode: Optional[str] = None, *,
+                compile_kwargs: Optional[dict] = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False, fallback: Optional[str] = None,
+                **kwargs: Any) -> None:
+        """``torch.compile`` the module the way the stage allows (docs/compile.md): whole
+        at stages 0-2, per unit (block) at stage 3, hooks outside the graphs. Call it on
+        every rank; it compiles lazily, at each module's first forward.
+
+        ``kwargs`` (or DeepSpeed's ``compile_kwargs`` dict) go to ``torch.compile``;
+        ``fallback="eager"`` runs a block that fails to compile eagerly instead of
+        raising. Calling it again replaces the earlier compilation. DeepSpeed's
+        ``schedule`` (DeepCompile) and ``compiled_autograd_enabled`` are not supported.
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise ConfigError("compile", "DeepCompile schedules and compiled autograd are "
+                              "not supported; call engine.compile(backend, mode, **kwargs)")
+        settings = CompileSettings(backend=backend, mode=mode,
+                                   options={**(compile_kwargs or {}), **kwargs},
+                                   fallback=fallback)
+        previous, self._compilation = self._compilation, None
+        if previous is not None:
+            previous.undo()
+        try:
+            compilation = Compilation(self.stage.compile_targets(self.module), settings,
+                                      stage=self.zero_optimization_stage())
+        except Exception:
+            if previous is not None:   # a failed call leaves the engine as it was
+                previous.install()
+                self._compilation = previous
+            raise
+        compilation.install()
+        self._compilation = compilation
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``compile`` (or the config's ``compile.enabled``) compiled the module."""
+        return self._compilation is not None
+
+    @property
+    def compiled_modules(self) -> list[str]:
+        """Paths of the modules whose forward is compiled ('<root>': the whole model)."""
+        return list(self._compilation.names) if self._compilation else []

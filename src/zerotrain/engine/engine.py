@@ -13,41 +13,29 @@ Note: micro-steps and boundaries
     unchanged) before ``NonFiniteGradientError`` propagates, so a loop that catches it and
     goes on starts a fresh window of ``gradient_accumulation_steps`` micro-steps.
 
-Note: no_sync
-    At stages 0 and 1 each rank accumulates the full gradient and one backward reduces it:
-    the one that ends the accumulation window. Inside ``no_sync()`` a backward only
-    accumulates, even at the boundary, and the window's next backward outside it reduces
-    the whole sum; so a loop that wraps all but a window's last backward in ``no_sync`` ends
-    bit for bit where it would without it. The loss is still divided by
-    ``gradient_accumulation_steps`` (DeepSpeed stops dividing inside ``no_sync``). A step at
-    the boundary inside ``no_sync``, or after a ``no_sync`` backward that no reducing
-    backward has followed, raises StateError instead of updating with one rank's
-    gradients; ``step()`` at other micro-steps only counts them. Stages 2 and 3 reduce-scatter
-    every backward's gradients into shards, so there ``no_sync`` refuses, as DeepSpeed's
-    does. Nesting is allowed (leaving the inner context restores the outer state, as with
-    DDP's ``no_sync``; DeepSpeed refuses re-entry).
+When a backward keeps its gradients on this rank: Note "no_sync" in ``accumulation.py``.
 
 One open engine per model: Note in ``ownership.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from .. import checkpoint
-from ..checkpoint import full_weights as export
 from ..comm import Communicator
-from .compile import Compilation, CompileSettings
+from .compile import Compilation, EngineCompile
 from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
+from .accumulation import EngineAccumulation
 from .api import DeepSpeedEngineAPI
+from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
-from ..errors import ConfigError, NonFiniteGradientError, StateError
+from ..errors import NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
@@ -62,7 +50,8 @@ from ..utils import gradient_norms_by_group
 logger = logging.getLogger(__name__)
 
 
-class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
+class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCompile,
+                 EngineAccumulation, nn.Module):
     """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``. DeepSpeed's
     one-line configuration accessors come from :class:`DeepSpeedEngineAPI`."""
 
@@ -177,49 +166,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         if local or boundary:   # a boundary backward outside no_sync reduces them all
             self._local_backwards = self._local_backwards + 1 if local else 0
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside keep their gradients on this rank; the accumulation window's next
-        backward outside reduces them with its own (Note: no_sync). Stages 0 and 1 only."""
-        if self.stage.reduces_every_micro_step:
-            raise StateError(
-                f"engine.no_sync() is not supported at ZeRO stage "
-                f"{self.zero_optimization_stage()}: it partitions gradients, reduce-scattering "
-                "each backward's gradients into shards, so none can stay local (DeepSpeed "
-                "refuses it there too); accumulate with gradient_accumulation_steps instead")
-        outer, self.inside_no_sync_ctxt = self.inside_no_sync_ctxt, True
-        try:
-            yield
-        finally:
-            self.inside_no_sync_ctxt = outer
-
-    @contextlib.contextmanager
-    def coalesce_grad_reduction(self) -> Iterator[None]:
-        """DeepSpeed 0.19's one reduction per step: the backwards inside keep their
-        gradients on this rank and leaving the block reduces them once; ``step()`` comes
-        after it. Stage 1 accumulates locally as under ``no_sync``; stages 2 and 3
-        reduce-scatter each backward into the rank's shard sum, so there the block changes
-        how many reductions run, not the mean the step applies (as DeepSpeed's flush)."""
-        if self.zero_optimization_stage() == 0:
-            raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
-                                      "got stage 0")
-        if self.inside_no_sync_ctxt or self._coalescing:
-            raise StateError("coalesce_grad_reduction cannot be nested inside another no_sync "
-                             "or coalesce_grad_reduction block")
-        local = not self.stage.reduces_every_micro_step
-        self._coalescing = True
-        self.inside_no_sync_ctxt = local
-        try:
-            yield
-        finally:
-            self._coalescing = False
-            self.inside_no_sync_ctxt = False
-            if local and self._local_backwards:   # the flush: one reducing empty backward
-                self.stage.begin_backward(True)
-                self.stage.buckets.begin(True)
-                self.stage.finish_backward()
-                self._local_backwards = 0
-
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
         self._refuse_without_optimizer("step()")
@@ -252,49 +198,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
         self.micro_steps += 1
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
-
-    def compile(self, backend: Any = "inductor", mode: Optional[str] = None, *,
-                compile_kwargs: Optional[dict] = None, schedule: Any = None,
-                compiled_autograd_enabled: bool = False, fallback: Optional[str] = None,
-                **kwargs: Any) -> None:
-        """``torch.compile`` the module the way the stage allows (docs/compile.md): whole
-        at stages 0-2, per unit (block) at stage 3, hooks outside the graphs. Call it on
-        every rank; it compiles lazily, at each module's first forward.
-
-        ``kwargs`` (or DeepSpeed's ``compile_kwargs`` dict) go to ``torch.compile``;
-        ``fallback="eager"`` runs a block that fails to compile eagerly instead of
-        raising. Calling it again replaces the earlier compilation. DeepSpeed's
-        ``schedule`` (DeepCompile) and ``compiled_autograd_enabled`` are not supported.
-        """
-        if schedule is not None or compiled_autograd_enabled:
-            raise ConfigError("compile", "DeepCompile schedules and compiled autograd are "
-                              "not supported; call engine.compile(backend, mode, **kwargs)")
-        settings = CompileSettings(backend=backend, mode=mode,
-                                   options={**(compile_kwargs or {}), **kwargs},
-                                   fallback=fallback)
-        previous, self._compilation = self._compilation, None
-        if previous is not None:
-            previous.undo()
-        try:
-            compilation = Compilation(self.stage.compile_targets(self.module), settings,
-                                      stage=self.zero_optimization_stage())
-        except Exception:
-            if previous is not None:   # a failed call leaves the engine as it was
-                previous.install()
-                self._compilation = previous
-            raise
-        compilation.install()
-        self._compilation = compilation
-
-    @property
-    def is_compiled(self) -> bool:
-        """Whether ``compile`` (or the config's ``compile.enabled``) compiled the module."""
-        return self._compilation is not None
-
-    @property
-    def compiled_modules(self) -> list[str]:
-        """Paths of the modules whose forward is compiled ('<root>': the whole model)."""
-        return list(self._compilation.names) if self._compilation else []
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
         if not self._backward_in_window:
@@ -359,10 +262,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             self._checkpoint_writer = None      # its staging buffer goes with it
             close_stage(self.stage, self.module)
 
-    def destroy(self) -> None:
-        """DeepSpeed's name for :meth:`close`."""
-        self.close()
-
     def _skip(self, outcome: StepOutcome) -> Optional[NonFiniteGradientError]:
         """A non-finite gradient, counted as skipped: fp16 rescales; otherwise the
         ``nonfinite`` policy decides (the error to raise once the step is counted)."""
@@ -399,6 +298,18 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         self._backward_in_window = False
         self._local_backwards = 0
 
+    def _resume_after_load(self, counters: Optional[dict]) -> None:
+        """After a checkpoint load: its counters, and a fresh accumulation window."""
+        if counters is not None:
+            for name, value in counters.items():
+                setattr(self, name, value)
+        self.stage.zero_grad()
+        self._backward_in_window = False
+        self._local_backwards = 0
+        self._last_outcome = None
+        self._lr_watch.rebase(self.lr_scheduler)
+        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
+
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -415,19 +326,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
                             f"{type(is_boundary).__name__}")
         self._boundary_override = is_boundary   # the next backward() tells the stage
 
-    def was_step_applied(self) -> bool:
-        return bool(self._last_outcome and self._last_outcome.applied)
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        return None if self._last_outcome is None else self._last_outcome.grad_norm
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""
         try:
@@ -437,25 +335,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
             if module is None:
                 raise
             return getattr(module, name)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Write the full model in its training dtype (rank 0 writes; all ranks call).
-
-        At stage 3 this needs ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
-        (as in DeepSpeed); without it the call refuses with an error rather than writing an
-        empty model.
-        """
-        zero = self.config.zero_optimization
-        if (self.stage.partitions_parameters
-                and not zero.stage3_gather_16bit_weights_on_model_save):
-            raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                              "save_16bit_model at stage 3 gathers the full weights; set it "
-                              "to true (or use save_checkpoint and `zerotrain consolidate`)")
-        self.settle()
-        export.save_16bit_model(self.module, self.stage, self.comm, save_dir, save_filename,
-                                exclude_frozen_parameters)
-        return True
 
     def offload_states(self, include: Optional[Any] = None, device: Any = "cpu",
                        pin_memory: bool = True, non_blocking: bool = False) -> None:
@@ -479,117 +358,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, nn.Module):
         """DeepSpeed's ``reload_states``: every state ``offload_states`` moved back on the
         device."""
         self._moved.reload(non_blocking=non_blocking)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save`` (Accelerate
-        asks it before saving a stage-3 model)."""
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
-                                             ) -> Optional[dict]:
-        """The full state dict on rank 0, None on the others (DeepSpeed's name, called by
-        Accelerate's ``get_state_dict`` and the Trainer's ``save_model``; the callers check
-        ``zero_gather_16bit_weights_on_model_save`` first). Collective: every rank calls it."""
-        self.settle()
-        return export.consolidated_state_dict(self.module, self.stage, self.comm.rank,
-                                              exclude_frozen_parameters)
-
-    # ---- checkpoints ----
-    # Everything the engine knows about checkpoints is in this block; the work is done by
-    # ``checkpoint/`` (docs/checkpoints.md), which sees the engine only as a TrainingState.
-    def _training_state(self) -> checkpoint.TrainingState:
-        return checkpoint.TrainingState(
-            module=self.module, stage=self.stage, optimizer=self.stage.optimizer,
-            comm=self.comm, stage_index=self.zero_optimization_stage(),
-            precision=self.config.precision,
-            counters={name: getattr(self, name) for name in checkpoint.state.COUNTERS},
-            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler.for_checkpoint(),
-            data_loader=self.training_dataloader)
-
-    def empty_partition_cache(self) -> None:
-        """DeepSpeed's: free the full parameters stage 3 still holds gathered between steps
-        (persistent ones stay); nothing is gathered to free at stages 0-2."""
-        release = getattr(self.stage, "empty_partition_cache", None)
-        if release is not None:
-            release()
-
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False,
-                        async_save: Optional[bool] = None) -> bool:
-        """Write checkpoint ``tag`` (default ``global_step<N>``; other values are named by
-        ``str(tag)``, as in DeepSpeed) under ``save_dir``. Collective: every rank calls it.
-        ``client_state``: JSON values, tensors, numpy arrays, tuples and
-        ``argparse.Namespace`` (docs/checkpoints.md); nothing is pickled.
-
-        Gradients accumulated in an unfinished accumulation window are not saved; save
-        after ``step()`` at a boundary for an exact resume.
-
-        ``async_save`` (default: ``checkpoint.writer.decoupled``): return once the state is
-        copied into host memory and write it in the background; at most one save is in
-        flight, and :meth:`wait_for_checkpoint` waits for it (docs/checkpoints.md).
-        """
-        if exclude_frozen_parameters:
-            raise StateError("save_checkpoint(exclude_frozen_parameters=True) is not "
-                             "implemented: zerotrain's checkpoint holds every parameter, "
-                             "frozen ones included; call it without the argument")
-        if self.micro_steps % self.gradient_accumulation_steps() != 0:
-            logger.warning("saving in the middle of gradient accumulation (micro step %d): "
-                           "the gradients accumulated so far are not saved", self.micro_steps)
-        self.settle()
-        self.wait_for_checkpoint()
-        if async_save is None:
-            writer_config = self.config.checkpoint.writer
-            async_save = writer_config is not None and writer_config.decoupled
-        if async_save and self._checkpoint_writer is None:
-            self._checkpoint_writer = checkpoint.BackgroundWriter()
-        self.last_checkpoint_report = checkpoint.save_checkpoint(
-            self._training_state(), save_dir, tag=None if tag is None else str(tag),
-            client_state=client_state, save_latest=save_latest,
-            writer=self._checkpoint_writer if async_save else None)
-        return True
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait for the asynchronous save in flight, if any; raise CheckpointError on every
-        rank if it failed (it was then not published). Collective: every rank calls it."""
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait(self.comm, debug=self.config.debug)
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
-                        load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Optional[str], Optional[dict]]:
-        """Load a checkpoint written at any world size and stage; returns ``(path,
-        client_state)``, or ``(None, None)`` when ``load_dir`` has none (as DeepSpeed).
-        Collective. Loading is always strict: ``load_module_strict=False`` is not
-        supported (a warning says so)."""
-        if not load_module_strict:
-            logger.warning("load_checkpoint(load_module_strict=False) is not supported; "
-                           "loading strictly")
-        if self.inference_only:   # as in DeepSpeed: no optimizer, so only the weights
-            load_optimizer_states = load_lr_scheduler_states = False
-        moved_states.refuse_while_away(self._moved, "load_checkpoint()")
-        self.settle()
-        self.wait_for_checkpoint()
-        result = checkpoint.load_checkpoint(
-            self._training_state(), load_dir, tag=None if tag is None else str(tag),
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only)
-        self.last_checkpoint_report = result.report
-        if result.path is None:
-            return None, None
-        if result.counters is not None:
-            for name, value in result.counters.items():
-                setattr(self, name, value)
-        self.stage.zero_grad()
-        self._backward_in_window = False
-        self._local_backwards = 0
-        self._last_outcome = None
-        self._lr_watch.rebase(self.lr_scheduler)
-        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
-        return result.path, result.client_state
-
 
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..offload import (DeviceStorage, OffloadPlan, Transfers, build_param_storage, build_storage,
                        build_updater, place_masters)
 from ..core.precision import PrecisionPolicy
-from .zero3.init import unpartition
+from .zero3.zero_init import unpartition
 from .zero3.stage import PartitionedDataParallel
 from .base import Stage, StepOutcome
 from .zero12 import ShardedDataParallel, ShardPlan

@@ -1,5 +1,5 @@
 """ZeRO stage 3: partitioned parameters gathered per unit around their use."""
-from .init import GatheredParameters, Init, register_external_parameter
+from .zero_init import GatheredParameters, Init, register_external_parameter
 from .stage import PartitionedDataParallel
 
 __all__ = ["GatheredParameters", "Init", "PartitionedDataParallel",

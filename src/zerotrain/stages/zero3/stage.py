@@ -39,7 +39,7 @@ from .gather_check import STEP
 from .hierarchical import build_groups
 from .scheduler import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
-from .init import GatheredParameters
+from .zero_init import GatheredParameters
 from .leaf import apply_leaf_module_config
 from .unit import GroupSlice, Unit, UnitState
 from .unit_specs import build_units

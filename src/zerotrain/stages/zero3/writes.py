@@ -62,7 +62,7 @@ def skipped_by_transformers() -> Iterator[tuple[Any, str, Callable]]:
     ``no_init_weights`` has replaced by its no-op (torch's ``nn.init`` functions and
     ``PreTrainedModel.init_weights``), which it does around ``zero.Init`` when it builds a
     model for DeepSpeed ZeRO-3 (Note: the same weights through transformers' ZeRO-3 path,
-    in init.py)."""
+    in zero_init.py)."""
     hf = sys.modules.get("transformers.initialization")
     table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
     if not isinstance(table, dict):

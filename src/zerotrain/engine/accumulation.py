@@ -1,0 +1,80 @@
+"""Which backwards reduce: the engine's ``no_sync()`` and ``coalesce_grad_reduction()``.
+
+Why a module of its own: the two contexts only say whether the backwards inside keep their
+gradients on this rank; the engine's ``backward`` and ``step`` read that (``inside_no_sync_ctxt``,
+``_local_backwards``) and refuse a step that would use one rank's gradients. Kept apart, as a
+mixin :class:`~zerotrain.engine.ZeroEngine` inherits, the rules are in one place with
+their Note.
+
+Note: no_sync
+    At stages 0 and 1 each rank accumulates the full gradient and one backward reduces it:
+    the one that ends the accumulation window. Inside ``no_sync()`` a backward only
+    accumulates, even at the boundary, and the window's next backward outside it reduces
+    the whole sum; so a loop that wraps all but a window's last backward in ``no_sync`` ends
+    bit for bit where it would without it. The loss is still divided by
+    ``gradient_accumulation_steps`` (DeepSpeed stops dividing inside ``no_sync``). A step at
+    the boundary inside ``no_sync``, or after a ``no_sync`` backward that no reducing
+    backward has followed, raises StateError instead of updating with one rank's
+    gradients; ``step()`` at other micro-steps only counts them. Stages 2 and 3 reduce-scatter
+    every backward's gradients into shards, so there ``no_sync`` refuses, as DeepSpeed's
+    does. Nesting is allowed (leaving the inner context restores the outer state, as with
+    DDP's ``no_sync``; DeepSpeed refuses re-entry).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from ..errors import StateError
+
+
+class EngineAccumulation:
+    """``no_sync()`` and ``coalesce_grad_reduction()`` (Note: no_sync)."""
+
+    stage: Any
+    inside_no_sync_ctxt: bool
+    _coalescing: bool
+    _local_backwards: int
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside keep their gradients on this rank; the accumulation window's next
+        backward outside reduces them with its own (Note: no_sync). Stages 0 and 1 only."""
+        if self.stage.reduces_every_micro_step:
+            raise StateError(
+                f"engine.no_sync() is not supported at ZeRO stage "
+                f"{self.zero_optimization_stage()}: it partitions gradients, reduce-scattering "
+                "each backward's gradients into shards, so none can stay local (DeepSpeed "
+                "refuses it there too); accumulate with gradient_accumulation_steps instead")
+        outer, self.inside_no_sync_ctxt = self.inside_no_sync_ctxt, True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = outer
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed 0.19's one reduction per step: the backwards inside keep their
+        gradients on this rank and leaving the block reduces them once; ``step()`` comes
+        after it. Stage 1 accumulates locally as under ``no_sync``; stages 2 and 3
+        reduce-scatter each backward into the rank's shard sum, so there the block changes
+        how many reductions run, not the mean the step applies (as DeepSpeed's flush)."""
+        if self.zero_optimization_stage() == 0:
+            raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
+                                      "got stage 0")
+        if self.inside_no_sync_ctxt or self._coalescing:
+            raise StateError("coalesce_grad_reduction cannot be nested inside another no_sync "
+                             "or coalesce_grad_reduction block")
+        local = not self.stage.reduces_every_micro_step
+        self._coalescing = True
+        self.inside_no_sync_ctxt = local
+        try:
+            yield
+        finally:
+            self._coalescing = False
+            self.inside_no_sync_ctxt = False
+            if local and self._local_backwards:   # the flush: one reducing empty backward
+                self.stage.begin_backward(True)
+                self.stage.buckets.begin(True)
+                self.stage.finish_backward()
+                self._local_backwards = 0

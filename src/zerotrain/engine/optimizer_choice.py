@@ -1,0 +1,66 @@
+"""The optimizer and LR scheduler a stage gets: the client's, or the config's.
+
+Why a module of its own: ``initialize`` accepts DeepSpeed's three sources (a client
+optimizer, ``model_parameters`` groups, the config's ``optimizer`` section) and a scheduler
+object, a callable or the config's ``scheduler``; turning them into parameter groups and
+into the factory the stage calls over its flat shards is one job, apart from the set-up
+order ``initialize`` writes down.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ZeroTrainConfig
+from ..errors import ConfigError
+from ..optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
+                     retarget_optimizer)
+from ..schedules import build_scheduler
+
+
+def trainable_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
+    """Parameter groups (dicts) of trainable module parameters, in a fixed order."""
+    if optimizer is not None:
+        groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        groups = param_groups_from(model_parameters)
+    else:
+        groups = [{"params": list(model.parameters())}]
+    owned = {id(p) for p in model.parameters()}
+    for g in groups:
+        for p in g["params"]:
+            if id(p) not in owned:
+                raise ConfigError("model_parameters", f"a parameter of shape {tuple(p.shape)} "
+                                  "is not a parameter of the model")
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+    if not any(g["params"] for g in groups):
+        raise ConfigError("model_parameters", "the model has no trainable parameters")
+    return groups
+
+
+def optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device):
+    def make(shards: list[list[torch.Tensor]], *, host_step: bool) -> torch.optim.Optimizer:
+        """One list of flat shard tensors per parameter group; ``host_step``: the stage's
+        storage steps them on the host (the factory asks it, ``Storage.steps_on_host``)."""
+        if client is not None:
+            return retarget_optimizer(client, shards)
+        shard_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": s}
+                        for g, s in zip(groups, shards)]
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, shard_groups,
+                               device=torch.device("cpu") if host_step else device,
+                               host_step=host_step)
+    return make
+
+
+def no_optimizer(shards: list[list[torch.Tensor]], *, host_step: bool
+                  ) -> torch.optim.Optimizer:
+    """The stage's optimizer for an engine built without one (forward only): no groups."""
+    return InferenceOnlyOptimizer()
+
+
+def scheduler_for(cfg: ZeroTrainConfig, client, optimizer: torch.optim.Optimizer):
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+    if client is not None and not hasattr(client, "step") and callable(client):
+        return client(optimizer)
+    return client

@@ -1,0 +1,146 @@
+"""What the planner plans: one training configuration (:class:`StepSpec`), the model it
+names, its DeepSpeed config, and the traced peak (:class:`StepPeak`).
+
+Why a module of its own: the command line, ``--fit`` and the suite build and compare these
+records without tracing anything; keeping them apart from the trace keeps both short.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_HOST_PREFIXES = ("host_", "nvme_")
+BACKENDS = ("nccl", "gloo")
+
+
+class PlanError(RuntimeError):
+    """The step could not be traced (a model the fake tensors cannot run)."""
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One training configuration: the model (a config.json path or ``module:callable``),
+    the batch shape, the world and the ZeRO options."""
+
+    model: str
+    micro_batch: int = 1
+    seq_len: int = 128
+    gpus: int = 1
+    nodes: int = 1
+    stage: int = 3
+    offload: str = "none"          # none | cpu | nvme (the optimizer state)
+    dtype: str = "bf16"
+    activation_checkpointing: bool = False
+    gradient_accumulation: int = 1
+    backend: str = "nccl"          # nccl | gloo (Note: the backend's own buffers)
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+@dataclass
+class StepPeak:
+    """The peak of one step on one rank: bytes, the phase it happened in, and what was
+    alive then by category (model states by the stage's own categories; the rest by the
+    phase that made it: activations in forward, temporaries in backward or step)."""
+
+    spec: StepSpec
+    peak_bytes: int
+    where: str
+    breakdown: dict[str, int] = field(default_factory=dict)
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes at the peak in host-side categories (offloaded state)."""
+        return sum(v for k, v in self.breakdown.items() if k.startswith(_HOST_PREFIXES))
+
+    @property
+    def device_bytes(self) -> int:
+        return self.peak_bytes - self.host_bytes
+
+    def to_json(self) -> dict:
+        s = self.spec
+        return {"model": s.model, "world_size": s.world, "stage": s.stage,
+                "offload": s.offload, "dtype": s.dtype, "micro_batch": s.micro_batch,
+                "seq_len": s.seq_len, "activation_checkpointing": s.activation_checkpointing,
+                "gradient_accumulation": s.gradient_accumulation, "backend": s.backend,
+                "peak_bytes_per_rank": self.device_bytes,
+                "peak_host_bytes_per_node": self.host_bytes * s.gpus,
+                "peak_at": self.where, "breakdown": dict(self.breakdown),
+                "phase_peaks": dict(self.phase_peaks)}
+
+
+# --------------------------------------------------------------------------- the model
+def _hf_config(path: str):
+    import transformers
+
+    with open(path, encoding="utf-8") as handle:
+        raw = json.load(handle)
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"{path}: not a Hugging Face config.json (no 'model_type' key)")
+    raw = dict(raw)
+    model_type = raw.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: transformers does not know model_type "
+                         f"{model_type!r} ({exc})") from None
+
+
+def build_model(spec: StepSpec) -> torch.nn.Module:
+    """The model of ``spec.model`` in the training dtype, on the current device context
+    (the planner builds it under ``FakeTensorMode``). A config.json gives the causal-LM
+    head where transformers has one and the masked-LM head otherwise (BERT)."""
+    dtype = _DTYPES[spec.dtype]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if os.path.isdir(spec.model):
+            return build_model(replace(spec, model=os.path.join(spec.model, "config.json")))
+        if spec.model.endswith(".json") or os.path.isfile(spec.model):
+            import transformers
+
+            config = _hf_config(spec.model)
+            for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
+                try:
+                    return auto.from_config(config)
+                except ValueError:
+                    continue
+            raise ValueError(f"{spec.model}: no causal-LM or masked-LM head for "
+                             f"{type(config).__name__}")
+        if ":" in spec.model:
+            from ..estimate.models import _load_callable
+
+            return _load_callable(spec.model)()
+        raise ValueError(f"{spec.model!r} is neither a config.json file nor module:callable")
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return int(getattr(config, "vocab_size", 0) or 256)
+
+
+def ds_config_for(spec: StepSpec) -> dict:
+    """The DeepSpeed config of ``spec`` (what ``--write`` saves)."""
+    zero: dict[str, Any] = {"stage": spec.stage}
+    if spec.offload != "none":
+        zero["offload_optimizer"] = ({"device": "cpu"} if spec.offload == "cpu" else
+                                     {"device": "nvme", "nvme_path": "/local_nvme"})
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.gradient_accumulation,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    }
+    if spec.dtype in ("bf16", "fp16"):
+        config[spec.dtype] = {"enabled": True}
+    return config

@@ -57,15 +57,19 @@ def _full_weights(engine):
     return {n: engine.stage.full_copy(p).float() for n, p in engine.module.named_parameters()}
 
 
-def _train(rank, family, stage, tp, precision="fp32"):
+def _train(rank, family, stage, tp, precision="fp32", ga=1, **extra):
+    """Micro-batch m of data-parallel rank r is ``_batch(step, r * ga + m)``, the same on
+    every rank of a tensor-parallel group."""
     import zerotrain
-    engine, *_ = zerotrain.initialize(model=_model(family), config=_config(stage, tp, precision))
+    engine, *_ = zerotrain.initialize(model=_model(family), config=_config(
+        stage, tp, precision, gradient_accumulation_steps=ga, **extra))
     dp_rank = engine.get_data_parallel_rank()
     norms = []
     for step in range(STEPS):
-        ids = _batch(step, dp_rank)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
+        for m in range(ga):
+            ids = _batch(step, dp_rank * ga + m)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
         norms.append(engine.get_global_grad_norm())
     weights = _full_weights(engine)
     local = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
@@ -82,6 +86,9 @@ def _max_diff(a, b):
 def _parity(rank, world):
     out = {(family, stage): _train(rank, family, stage, 2)
            for family in ("llama", "gpt2") for stage in (1, 2)}
+    # DeepSpeed's batch rule counts all N ranks: train_batch_size = micro x 2 x N is
+    # accepted, and the step averages the N/2 x 2 distinct micro-batches the model saw
+    out["counted"] = _train(rank, "llama", 1, 2, ga=2, train_batch_size=MICRO * 2 * world)
     if world == 4:
         out["bf16"] = _train(rank, "llama", 2, 2, "bf16")
     return out
@@ -91,7 +98,11 @@ def _parity(rank, world):
 def test_tp_zero_matches_one_process_on_the_global_batch(worlds, world):
     dp = world // 2
     refs = {family: _reference(family, dp) for family in ("llama", "gpt2")}
+    counted_ref = _reference("llama", dp * 2)   # 2 accumulated micro-batches per rank
     for rank, out in enumerate(worlds.run(world, _parity)):
+        weights, norms = out.pop("counted")[:2]
+        assert _max_diff(weights, counted_ref[0]) < 1e-5, (world, rank)
+        assert norms == pytest.approx(counted_ref[1], rel=1e-5), (world, rank)
         for (family, stage), (weights, norms, local, dims) in (
                 (k, v) for k, v in out.items() if k != "bf16"):
             ref, ref_norms = refs[family]

@@ -52,7 +52,7 @@ def _mesh(size=2, rank=0):
 
 
 def _tp_config(**section):
-    return load_config({"train_batch_size": 1, "tensor_parallel": {"autotp_size": 2,
+    return load_config({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2,
                                                                     **section}},
                        world_size=2).tensor_parallel
 
@@ -94,15 +94,23 @@ def test_config_refuses_what_does_not_compose_by_name(raw, key):
         load_config({"train_batch_size": 4, **raw}, world_size=4)
 
 
-def test_batch_triangle_counts_data_parallel_ranks_only():
-    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                       "tensor_parallel": {"autotp_size": 2}}, world_size=4)
-    assert cfg.train_batch_size == 4   # 2 per micro-batch x 2 data-parallel ranks
+def test_batch_triangle_counts_every_rank_as_deepspeed_does():
+    """DeepSpeed without an ``mpu`` (AutoTP training, the Trainer) counts all N ranks."""
+    tp = {"tensor_parallel": {"autotp_size": 2}}
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                       **tp}, world_size=4)
+    assert cfg.train_batch_size == 24   # 2 per micro-batch x 3 x 4 ranks
+    cfg = load_config({"train_batch_size": 24, "gradient_accumulation_steps": 3, **tp},
+                      world_size=4)
+    assert cfg.train_micro_batch_size_per_gpu == 2
+    with pytest.raises(ConfigError, match=r"\* world size \(4\) = 24"):  # N/T = 2 ranks: no
+        load_config({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
+                     "gradient_accumulation_steps": 3, **tp}, world_size=4)
 
 
 def test_stage3_with_tensor_parallelism_is_refused_by_name():
     from zerotrain.initialize import _split_tensor_parallel
-    cfg = load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3},
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3},
                        "tensor_parallel": {"autotp_size": 2}}, world_size=2)
     with pytest.raises(ConfigError, match="stage 3"):
         _split_tensor_parallel(_llama(), cfg, None, None, None)

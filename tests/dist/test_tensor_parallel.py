@@ -91,7 +91,23 @@ def _parity(rank, world):
     out["counted"] = _train(rank, "llama", 1, 2, ga=2, train_batch_size=MICRO * 2 * world)
     if world == 4:
         out["bf16"] = _train(rank, "llama", 2, 2, "bf16")
+        out["mixed"] = _mixed_inputs(rank)
     return out
+
+
+def _mixed_inputs(rank):
+    """Each rank given its own batch (global rank, not data-parallel rank): the first
+    forward stops every rank of both groups, naming the rank that differs."""
+    import zerotrain
+    from zerotrain.tp.inputs import TensorParallelInputError
+    engine, *_ = zerotrain.initialize(model=_model("llama"), config=_config(1, 2))
+    try:
+        engine(input_ids=_batch(0, rank), labels=_batch(0, rank))
+    except TensorParallelInputError as exc:
+        return str(exc)
+    finally:
+        engine.destroy()
+    return "trained on"
 
 
 @pytest.mark.parametrize("world", [4, 2])
@@ -101,6 +117,10 @@ def test_tp_zero_matches_one_process_on_the_global_batch(worlds, world):
     counted_ref = _reference("llama", dp * 2)   # 2 accumulated micro-batches per rank
     for rank, out in enumerate(worlds.run(world, _parity)):
         weights, norms = out.pop("counted")[:2]
+        if world == 4:
+            group = [rank - rank % 2, rank - rank % 2 + 1]
+            assert (f"group of ranks {group} was given different inputs on its first "
+                    f"forward: rank {group[1]} (input_ids) differ") in out.pop("mixed"), rank
         assert _max_diff(weights, counted_ref[0]) < 1e-5, (world, rank)
         assert norms == pytest.approx(counted_ref[1], rel=1e-5), (world, rank)
         for (family, stage), (weights, norms, local, dims) in (

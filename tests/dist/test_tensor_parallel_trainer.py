@@ -4,7 +4,8 @@ DeepSpeed: transformers fills ``train_batch_size`` counting all N ranks, records
 with ``deepspeed.tp_model_init``, and Accelerate gives the two ranks of each
 tensor-parallel group the same batch. A tiny Llama then trains like the plain Trainer on
 one process whose batch holds the N/2 data-parallel ranks' samples (fp32, clipping,
-accumulation 2, a short last window at the epoch's end).
+accumulation 2, a short last window at the epoch's end), and ``save_model`` writes the
+whole weights.
 
 The ranks are the shared worlds, so the switch is turned on and off around the run
 (:func:`_switch`). transformers and Accelerate decide at import whether ``deepspeed``
@@ -95,12 +96,14 @@ def _trainer_with_tp(rank, world, root, stage):
 def _train_with_tp(transformers, world, root, stage):
     config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-              "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": 2}}
+              "zero_optimization": {"stage": stage, "gather_16bit_weights_on_model_save": True},
+              "tensor_parallel": {"autotp_size": 2}}
     args = transformers.TrainingArguments(output_dir=f"{root}/tp{world}",
                                           per_device_train_batch_size=MICRO,
                                           deepspeed=config, **COMMON)
     trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_data())
     trainer.train()
+    trainer.save_model(f"{root}/tp{world}/final")   # Accelerate gathers the split weights
     engine = trainer.model_wrapped
     out = {**_curve(trainer), "train_batch_size": engine.train_batch_size(),
            "tp": engine.mp_world_size, "dp": engine.dp_world_size,
@@ -115,7 +118,7 @@ def _plain(root, dp):
                                           per_device_train_batch_size=MICRO * dp, **COMMON)
     trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_data())
     trainer.train()
-    return _curve(trainer)
+    return _curve(trainer), {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
 @pytest.mark.parametrize("world,stage", [(2, 1), (4, 2)])
@@ -124,7 +127,7 @@ def test_trainer_deepspeed_tensor_parallel_matches_the_plain_trainer(worlds, tmp
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     dp = world // 2
-    reference = _plain(str(tmp_path), dp)
+    reference, weights = _plain(str(tmp_path), dp)
     for rank, res in enumerate(worlds.run(world, _trainer_with_tp, str(tmp_path), stage)):
         assert (res["tp"], res["dp"], res["q"]) == (2, dp, (16, 32)), res
         # DeepSpeed's count: micro x accumulation x all N ranks
@@ -132,3 +135,8 @@ def test_trainer_deepspeed_tensor_parallel_matches_the_plain_trainer(worlds, tmp
         assert len(res["loss"]) == COMMON["max_steps"], res
         for key in ("loss", "grad_norm", "lr"):
             assert res[key] == pytest.approx(reference[key], abs=1e-4), (rank, key, res)
+    import transformers
+    saved = transformers.LlamaForCausalLM.from_pretrained(f"{tmp_path}/tp{world}/final")
+    for name, tensor in saved.named_parameters():   # whole, as trained
+        assert tensor.shape == weights[name].shape, name
+        assert (tensor - weights[name]).abs().max() < 1e-4, name

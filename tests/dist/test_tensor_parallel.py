@@ -57,19 +57,25 @@ def _full_weights(engine):
     return {n: engine.stage.full_copy(p).float() for n, p in engine.module.named_parameters()}
 
 
-def _train(rank, family, stage, tp, precision="fp32"):
+def _train(rank, family, stage, tp, precision="fp32", ga=1, offload=False, **extra):
+    """Micro-batch m of data-parallel rank r is ``_batch(step, r * ga + m)``, the same on
+    every rank of a tensor-parallel group."""
     import zerotrain
-    engine, *_ = zerotrain.initialize(model=_model(family), config=_config(stage, tp, precision))
+    config = _config(stage, tp, precision, gradient_accumulation_steps=ga, **extra)
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = zerotrain.initialize(model=_model(family), config=config)
     dp_rank = engine.get_data_parallel_rank()
     norms = []
     for step in range(STEPS):
-        ids = _batch(step, dp_rank)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
+        for m in range(ga):
+            ids = _batch(step, dp_rank * ga + m)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
         norms.append(engine.get_global_grad_norm())
     weights = _full_weights(engine)
     local = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
-    dims = engine.stage.dimensions()
+    dims = {**engine.stage.dimensions(), "skipped_steps": engine.skipped_steps}
     engine.destroy()
     return weights, norms, local, dims
 
@@ -82,16 +88,55 @@ def _max_diff(a, b):
 def _parity(rank, world):
     out = {(family, stage): _train(rank, family, stage, 2)
            for family in ("llama", "gpt2") for stage in (1, 2)}
+    # DeepSpeed's batch rule counts all N ranks: train_batch_size = micro x 2 x N is
+    # accepted, and the step averages the N/2 x 2 distinct micro-batches the model saw
+    out["counted"] = _train(rank, "llama", 1, 2, ga=2, train_batch_size=MICRO * 2 * world)
     if world == 4:
         out["bf16"] = _train(rank, "llama", 2, 2, "bf16")
+        out["fp16"] = _train(rank, "llama", 2, 2, "fp16")
+        out["offload"] = _train(rank, "llama", 2, 2, offload=True)
+        out["mixed"] = _mixed_inputs(rank)
     return out
+
+
+def _mixed_inputs(rank):
+    """Each rank given its own batch (global rank, not data-parallel rank): the first
+    forward stops every rank of both groups, naming the rank that differs."""
+    import zerotrain
+    from zerotrain.tp.inputs import TensorParallelInputError
+    engine, *_ = zerotrain.initialize(model=_model("llama"), config=_config(1, 2))
+    try:
+        engine(input_ids=_batch(0, rank), labels=_batch(0, rank))
+    except TensorParallelInputError as exc:
+        return str(exc)
+    finally:
+        engine.destroy()
+    return "trained on"
 
 
 @pytest.mark.parametrize("world", [4, 2])
 def test_tp_zero_matches_one_process_on_the_global_batch(worlds, world):
     dp = world // 2
     refs = {family: _reference(family, dp) for family in ("llama", "gpt2")}
+    counted_ref = _reference("llama", dp * 2)   # 2 accumulated micro-batches per rank
     for rank, out in enumerate(worlds.run(world, _parity)):
+        weights, norms = out.pop("counted")[:2]
+        if world == 4:
+            group = [rank - rank % 2, rank - rank % 2 + 1]
+            assert (f"group of ranks {group} was given different inputs on its first "
+                    f"forward: rank {group[1]} (input_ids) differ") in out.pop("mixed"), rank
+            # the optimizer on the host: the same step; fp16 loss scaling tracks fp32
+            offload = out.pop("offload")
+            assert _max_diff(offload[0], refs["llama"][0]) < 1e-5, rank
+            assert offload[1] == pytest.approx(refs["llama"][1], rel=1e-5), rank
+            # fp16: every step taken (no overflow seen by any rank of either dimension),
+            # and the weights within fp16's rounding of fp32 (7e-3 measured)
+            fp16_weights, _, _, fp16_dims = out.pop("fp16")
+            assert fp16_dims["skipped_steps"] == 0, rank
+            fp16 = _max_diff(fp16_weights, refs["llama"][0])
+            assert fp16 < 2e-2, (rank, fp16)
+        assert _max_diff(weights, counted_ref[0]) < 1e-5, (world, rank)
+        assert norms == pytest.approx(counted_ref[1], rel=1e-5), (world, rank)
         for (family, stage), (weights, norms, local, dims) in (
                 (k, v) for k, v in out.items() if k != "bf16"):
             ref, ref_norms = refs[family]

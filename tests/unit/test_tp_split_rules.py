@@ -52,7 +52,7 @@ def _mesh(size=2, rank=0):
 
 
 def _tp_config(**section):
-    return load_config({"train_batch_size": 1, "tensor_parallel": {"autotp_size": 2,
+    return load_config({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2,
                                                                     **section}},
                        world_size=2).tensor_parallel
 
@@ -94,15 +94,23 @@ def test_config_refuses_what_does_not_compose_by_name(raw, key):
         load_config({"train_batch_size": 4, **raw}, world_size=4)
 
 
-def test_batch_triangle_counts_data_parallel_ranks_only():
-    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                       "tensor_parallel": {"autotp_size": 2}}, world_size=4)
-    assert cfg.train_batch_size == 4   # 2 per micro-batch x 2 data-parallel ranks
+def test_batch_triangle_counts_every_rank_as_deepspeed_does():
+    """DeepSpeed without an ``mpu`` (AutoTP training, the Trainer) counts all N ranks."""
+    tp = {"tensor_parallel": {"autotp_size": 2}}
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                       **tp}, world_size=4)
+    assert cfg.train_batch_size == 24   # 2 per micro-batch x 3 x 4 ranks
+    cfg = load_config({"train_batch_size": 24, "gradient_accumulation_steps": 3, **tp},
+                      world_size=4)
+    assert cfg.train_micro_batch_size_per_gpu == 2
+    with pytest.raises(ConfigError, match=r"\* world size \(4\) = 24"):  # N/T = 2 ranks: no
+        load_config({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
+                     "gradient_accumulation_steps": 3, **tp}, world_size=4)
 
 
 def test_stage3_with_tensor_parallelism_is_refused_by_name():
     from zerotrain.initialize import _split_tensor_parallel
-    cfg = load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3},
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3},
                        "tensor_parallel": {"autotp_size": 2}}, world_size=2)
     with pytest.raises(ConfigError, match="stage 3"):
         _split_tensor_parallel(_llama(), cfg, None, None, None)
@@ -125,7 +133,10 @@ def test_a_layer_of_one_rank_computes_the_whole_linear(kind, transposed):
 def test_the_shared_input_of_q_k_v_is_released_when_the_attention_forward_ends():
     from zerotrain.tp.layers import SharedInput
     calls = []
-    comm = SimpleNamespace(world_size=2, all_reduce=lambda t, **kw: calls.append(kw["label"]))
+    comm = SimpleNamespace(world_size=2, ranks=(0, 1),
+                           all_reduce=lambda t, **kw: calls.append(kw["label"]),
+                           all_gather_object=lambda obj, **kw: calls.append(kw["label"]) or [
+                               obj, obj])   # both ranks given the same inputs
     mesh = SimpleNamespace(tp_size=2, tp_rank=0, tp=comm)
     model = _llama()
     parallelize(model, mesh, _tp_config())
@@ -136,8 +147,32 @@ def test_the_shared_input_of_q_k_v_is_released_when_the_attention_forward_ends()
     assert len(shared) == 2 and all(isinstance(s, SharedInput) for s in shared.values())
     assert all(s._seen is None for s in shared.values())   # nothing held after forward
     # one forward all-reduce (o, down) and one backward (q/k/v, gate/up) per module
+    model(input_ids=ids)   # the input check ran on the first forward only
     assert sorted(calls) == sorted(
-        ["tensor parallel forward model.layers.0.self_attn.o_proj",
+        ["tensor-parallel input check",
+         "tensor parallel forward model.layers.0.self_attn.o_proj",
+         "tensor parallel forward model.layers.0.mlp.down_proj",
+         "tensor parallel forward model.layers.0.self_attn.o_proj",
          "tensor parallel forward model.layers.0.mlp.down_proj",
          "tensor parallel backward model.layers.0.self_attn input",
          "tensor parallel backward model.layers.0.mlp input"])
+
+
+def test_inputs_that_differ_within_a_group_are_named_on_every_rank():
+    from zerotrain.tp.inputs import (TensorParallelInputError, check_same_inputs,
+                                     input_digests)
+    ids = torch.arange(8).view(2, 4)
+    mine = input_digests((), {"input_ids": ids, "labels": ids, "use_cache": False})
+    same = input_digests((), {"input_ids": ids.clone(), "labels": ids, "use_cache": False})
+    other = input_digests((), {"input_ids": ids + 1, "labels": ids, "use_cache": False})
+    assert same == mine and other["labels"] == mine["labels"]
+    assert input_digests((ids.bfloat16(),), {})["args[0]"].startswith("tensor bfloat16 (2, 4)")
+
+    def group(*digests):
+        return SimpleNamespace(world_size=len(digests), ranks=(4, 5, 6)[:len(digests)],
+                               all_gather_object=lambda obj, **kw: list(digests))
+
+    check_same_inputs(group(mine, same), (), {})
+    with pytest.raises(TensorParallelInputError,
+                       match=r"ranks \[4, 5, 6\].*rank 6 \(input_ids\) differ from rank 4"):
+        check_same_inputs(group(mine, same, other), (), {})

@@ -2,6 +2,16 @@
 
 Resolved before pydantic runs, because any two of the three keys determine the third and
 only the reader knows the world size; an inconsistent set names all three.
+
+Note: the world of the triangle
+    The world size is every rank, tensor-parallel ones included: with
+    ``tensor_parallel.autotp_size`` T on N ranks, ``train_batch_size`` = micro batch *
+    accumulation * N, as DeepSpeed 0.19 counts it when no ``mpu`` is given (its
+    ``DeepSpeedConfig`` takes ``dist.get_world_size()``; AutoTP training and the
+    Hugging Face Trainer, which fills ``"auto"`` as ``world_size * micro * accumulation``,
+    both go that way). The T ranks of a tensor-parallel group train on one micro-batch,
+    so the samples one optimizer step sees are ``train_batch_size / T``; gradients are
+    averaged over the N/T data-parallel ranks (docs/tensor-parallel.md, "The batch").
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
     if isinstance(scheduler, dict) and "type" in scheduler:
         scheduler["type"] = _choose(scheduler["type"], SCHEDULER_TYPES, "scheduler.type",
                                     ignore_case=False)
-    _resolve_batch(data, world_size // tensor_parallel_size(data, world_size))
+    tensor_parallel_size(data, world_size)   # refuses a size that does not divide the world
+    _resolve_batch(data, world_size)   # Note "the world of the triangle" in batch.py
     result = _validate(ZeroTrainConfig, data, "", walk)
     _check_combinations(result, walk)
     _check_hierarchical(result.zero_optimization, world_size)

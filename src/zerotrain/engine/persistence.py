@@ -145,3 +145,15 @@ class EnginePersistence:
         self.settle()
         return export.consolidated_state_dict(self.module, self.stage, self.comm.rank,
                                               exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                       ) -> Optional[dict]:
+        """DeepSpeed's name for the same when stage 3 or tensor parallelism splits the
+        weights (Accelerate's ``get_state_dict`` calls it with ``tensor_parallel``); a
+        ValueError otherwise, as DeepSpeed's (the Trainer then saves the plain way).
+        Collective: every rank calls it."""
+        if not self.stage.partitions_parameters and self.mp_world_size == 1:
+            raise ValueError("consolidated_16bit_state_dict is only applicable to cases where "
+                             "weights are partitioned, including Zero Stage 3 and tensor "
+                             "parallelism.")
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)

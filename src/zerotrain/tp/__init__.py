@@ -5,7 +5,8 @@ layers are cut: DeepSpeed's AutoTP names and user patterns), ``layers`` (the col
 row-parallel linear layers; Note "plain slices, not DTensors"), ``apply`` (``parallelize``:
 cutting a model), ``norm`` (the gradient norm over both dimensions), ``view`` (checkpoint
 records with the tensor-parallel dimension gathered), ``stage`` (the ZeRO stage seen
-over the whole mesh) and ``model_init`` (DeepSpeed's record-only ``tp_model_init``). The
+over the whole mesh), ``model_init`` (DeepSpeed's record-only ``tp_model_init``) and
+``inputs`` (the first forward's check that a group was given one batch). The
 mesh and the two tensor-parallel collectives are in
 ``comm/mesh.py``. docs/tensor-parallel.md says what composes.
 """

@@ -7,7 +7,9 @@ Order (``initialize.py`` calls it after rank 0's weights are broadcast, before t
 2. replace each by a :class:`~zerotrain.tp.layers.TensorParallelLinear` holding this
    rank's slice (Note "fused sections" in ``split.py``);
 3. give each attention module that lost heads its per-rank counts (GPT-2 splits its fused
-   ``c_attn`` output by ``split_size``; Llama-style attention infers heads from shapes).
+   ``c_attn`` output by ``split_size``; Llama-style attention infers heads from shapes);
+4. check, on the first forward, that the ranks of the group were given the same inputs
+   (``inputs.py``, as DeepSpeed's AutoTP training does).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch import nn
 
 from ..comm.mesh import Mesh
 from ..errors import ConfigError
+from .inputs import check_first_inputs
 from .layers import SharedInput, TensorParallelLinear
 from .rules import Rule, Rules
 from .split import SplitSpec, local_slice
@@ -117,6 +120,7 @@ def parallelize(model: nn.Module, mesh: Mesh, config) -> TensorParallelPlan:
         if bias is not None and bias_spec is not None:
             plan.specs[f"{name}.bias"] = bias_spec
     _divide_heads(model, plan.layers, size)
+    check_first_inputs(model, mesh.tp)
     logger.info("tensor parallel: %d layers split over %d ranks", len(chosen), size)
     return plan
 

@@ -77,7 +77,8 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("communicator",),
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
     "stages": (("base",), ("buckets",), ("zero12", "zero3"), ("factory",), ("__init__",)),
-    "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership"),
+    "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+                "optimizer_views"),
                ("api", "reports"), ("engine",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }

@@ -166,7 +166,13 @@ class ZeroOptimizer:
 
     @property
     def fp32_partitioned_groups_flat(self) -> list:
+        """This rank's fp32 master shards (DeepSpeed's name at stage 3; the same list under
+        its stage 1-2 name ``single_partition_of_fp32_groups`` and its fp16 optimizer's
+        ``fp32_groups_flat``, which DeepSpeed's checkpoint tests compare after a load)."""
         return self._view("fp32_partitioned_groups_flat")
+
+    single_partition_of_fp32_groups = fp32_partitioned_groups_flat
+    fp32_groups_flat = fp32_partitioned_groups_flat
 
     @property
     def forward_hooks(self) -> list:

@@ -60,8 +60,9 @@ def _job(rank: int, world: int, stage: int) -> dict:
         assert engine.optimizer._global_grad_norm == engine.get_global_grad_norm() > 0
         assert engine.optimizer.averaged_gradients == {}   # none until the next backward
         if step == 0:
-            out["steps"] = [engine.optimizer.optimizer.state[m]["step"].item()
-                            for m in engine.optimizer.fp32_partitioned_groups_flat]
+            masters = engine.optimizer.fp32_partitioned_groups_flat
+            assert engine.optimizer.single_partition_of_fp32_groups == masters
+            out["steps"] = [engine.optimizer.optimizer.state[m]["step"].item() for m in masters]
             out["groups"] = [[n for n, p in model.named_parameters() if any(p is q for q in g)]
                              for g in engine.optimizer.fp16_groups]
             hooked = len(engine.optimizer.forward_hooks)

@@ -175,6 +175,11 @@ class ZeroOptimizer:
     fp32_groups_flat = fp32_partitioned_groups_flat
 
     @property
+    def fp32_groups_gradients_flat(self) -> list:
+        """Per group, the whole averaged gradient, flat (collective)."""
+        return self._view("fp32_groups_gradients_flat")
+
+    @property
     def forward_hooks(self) -> list:
         return self._view("forward_hooks")
 

@@ -3,7 +3,8 @@
 gloo ranks against a single-process reference: a gradient replaced before ``step()`` is
 the one the step applies (clipping sees it too), and a local chunk is the rank's part of
 the full value. DeepSpeed's optimizer attributes ride along: ``engine.allreduce_gradients()``
-then ``optimizer.averaged_gradients`` (the rank's chunk of each averaged gradient),
+then ``optimizer.averaged_gradients`` (the rank's chunk of each averaged gradient) and
+``fp32_groups_gradients_flat`` (each group's whole averaged gradient),
 ``fp16_groups`` / ``fp32_partitioned_groups_flat`` (keys of the inner optimizer's state), and
 ``runtime.zero.unwrap_model_for_generation`` between the steps (full weights, no forward hooks
 inside; training goes on after it exactly)."""
@@ -41,6 +42,7 @@ def _job(rank: int, world: int, stage: int) -> dict:
             out["norms"] = engine.optimizer._get_norm_groups()
             engine.allreduce_gradients()
             out["averaged"] = engine.optimizer.averaged_gradients
+            out["flat"] = engine.optimizer.fp32_groups_gradients_flat
         if stage == 3:   # halve the first parameter through its local chunk
             first = params[0]
             chunk = safe_get_local_grad(first)
@@ -124,6 +126,8 @@ def test_replaced_gradients_are_the_ones_stepped_and_local_chunks_are_the_ranks(
             n = -(-p.numel() // 2)
             padded = torch.cat([mean.reshape(-1), mean.new_zeros(2 * n - p.numel())])
             assert torch.allclose(chunk, padded[rank * n:(rank + 1) * n], atol=1e-7), where
+        flat = torch.cat([m.reshape(-1) for m in means])   # one group: every parameter
+        assert len(res["flat"]) == 1 and torch.allclose(res["flat"][0], flat, atol=1e-7), where
         names = sorted(n for n, _ in R.make_model().named_parameters())
         assert sorted(sum(res["groups"], [])) == names, where   # each parameter once
         assert res["steps"] == [1.0] * len(res["groups"]), where

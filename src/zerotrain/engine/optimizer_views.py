@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import StateError
-from ..utils import averaged_gradients_by_group
+from ..utils import averaged_gradients_by_group, safe_get_full_grad
 
 
 class OptimizerViews:
@@ -37,6 +37,18 @@ class OptimizerViews:
         """{group index: this rank's chunk of each parameter's averaged gradient}; empty
         when no backward ran since the last step (``utils.averaged_gradients_by_group``)."""
         return averaged_gradients_by_group(self.engine())
+
+    def fp32_groups_gradients_flat(self) -> list[torch.Tensor]:
+        """Per optimizer group, the whole averaged gradient of its parameters, flat, in the
+        module's parameter order (DeepSpeed's bf16 optimizer's name). Collective: every rank
+        calls it, as ``safe_get_full_grad``; a frozen parameter adds nothing."""
+        named = list(self.engine().module.named_parameters())
+        group_of = {n: r.group_index for r in self._trained_records() for n in r.names}
+        out = []
+        for g in sorted(set(group_of.values())):
+            grads = [safe_get_full_grad(p) for n, p in named if group_of.get(n) == g]
+            out.append(torch.cat([x.reshape(-1).float() for x in grads if x is not None]))
+        return out
 
     def _trained_records(self) -> list[Any]:
         return [r for r in self.engine().stage.shard_records() if r.group_index >= 0]

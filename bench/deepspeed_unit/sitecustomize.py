@@ -14,9 +14,17 @@ process pool. It does two things, and touches no test:
   ``AssertionError`` with the same message, so it fails that test alone. ``Skipped`` is
   left alone (the harness catches it itself), and so are ``SystemExit`` and
   ``KeyboardInterrupt``.
+* In both modes, the forkserver that DeepSpeed's harness forks every rank from imports, once,
+  what the ranks would otherwise import in every test (``_forkserver_preload.py`` says why and
+  what): the test modules and torch's lazily imported modules. Each test then starts its ranks
+  without seconds of imports per rank. ``DS_UNIT_NO_PRELOAD=1`` turns it off.
 """
+import json
+import multiprocessing.forkserver
 import multiprocessing.pool
 import os
+import sys
+import tempfile
 
 _starmapstar = multiprocessing.pool.starmapstar
 
@@ -31,6 +39,23 @@ def _failures_as_assertions(args):
 
 
 multiprocessing.pool.starmapstar = _failures_as_assertions
+
+_ensure_running = multiprocessing.forkserver.ForkServer.ensure_running
+_SKIP = ("__main__", "__mp_main__", "conftest", "sitecustomize", "_forkserver_preload")
+
+
+def _ensure_running_preloaded(self):
+    """Start the forkserver with this process's modules listed for it to import first."""
+    if self._forkserver_pid is None and os.environ.get("DS_UNIT_NO_PRELOAD") != "1":
+        modules = [name for name in list(sys.modules) if name not in _SKIP]
+        with tempfile.NamedTemporaryFile("w", suffix="_preload.json", delete=False) as f:
+            json.dump({"path": list(sys.path), "modules": modules}, f)
+        os.environ["DS_UNIT_FORKSERVER_PRELOAD"] = f.name
+        self._preload_modules = ["_forkserver_preload"]
+    return _ensure_running(self)
+
+
+multiprocessing.forkserver.ForkServer.ensure_running = _ensure_running_preloaded
 
 if os.environ.get("ZEROTRAIN_AS_DEEPSPEED") == "1":
     import zerotrain.as_deepspeed

@@ -146,6 +146,43 @@ class ZeroOptimizer:
             raise StateError("_get_norm_groups: this optimizer is not an engine's")
         return self._norm_groups()
 
+    # DeepSpeed's ZeRO optimizer attributes (engine/optimizer_views.py), once an engine
+    # has bound its views (``views``); None for an optimizer no engine holds.
+    views: Any = None
+
+    def _view(self, name: str) -> Any:
+        if self.views is None:
+            raise StateError(f"{name}: this optimizer is not an engine's")
+        return getattr(self.views, name)()
+
+    @property
+    def averaged_gradients(self) -> dict:
+        """{group index: [this rank's chunk of each parameter's averaged gradient]}."""
+        return self._view("averaged_gradients")
+
+    @property
+    def fp16_groups(self) -> list:
+        return self._view("fp16_groups")
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> list:
+        """This rank's fp32 master shards (DeepSpeed's name at stage 3; the same list under
+        its stage 1-2 name ``single_partition_of_fp32_groups`` and its fp16 optimizer's
+        ``fp32_groups_flat``, which DeepSpeed's checkpoint tests compare after a load)."""
+        return self._view("fp32_partitioned_groups_flat")
+
+    single_partition_of_fp32_groups = fp32_partitioned_groups_flat
+    fp32_groups_flat = fp32_partitioned_groups_flat
+
+    @property
+    def fp32_groups_gradients_flat(self) -> list:
+        """Per group, the whole averaged gradient, flat (collective)."""
+        return self._view("fp32_groups_gradients_flat")
+
+    @property
+    def forward_hooks(self) -> list:
+        return self._view("forward_hooks")
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups

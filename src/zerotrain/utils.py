@@ -275,6 +275,30 @@ def gradient_norms_by_group(engine: Any) -> list[torch.Tensor]:
     return list(squares.cpu().sqrt().div_(scale).unbind())
 
 
+def averaged_gradients_by_group(engine: Any) -> dict[int, list[torch.Tensor]]:
+    """This rank's chunk of each trained parameter's gradient (averaged over ranks, unscaled,
+    fp32; new tensors), by optimizer group in the module's parameter order, as DeepSpeed's
+    ``optimizer.averaged_gradients``: empty when no backward ran since the last step. A
+    parameter none of whose elements this rank owns (stages 1-2) gives an empty chunk."""
+    engine.settle()
+    if not engine._backward_in_window:
+        return {}
+    position = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
+    found: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    scale = engine.comm.world_size * engine.loss_scale
+    for record in engine.stage.shard_records():
+        if record.group_index < 0:   # a frozen parameter's shard (core.records.FROZEN)
+            continue
+        summed = _reduced_gradient(engine, record, "averaged_gradients")
+        chunks = found.setdefault(record.group_index, [])
+        for name, slot in zip(record.names, record.layout.slots):
+            chunk = summed[record.layout.shard_slice(slot)]
+            chunks.append((position[name], chunk.to(torch.float32, copy=True).div_(scale)))
+    # stage 3 keeps a group's shards unit by unit; DeepSpeed lists the module's order
+    return {g: [c for _, c in sorted(chunks, key=lambda pc: pc[0])]
+            for g, chunks in sorted(found.items())}
+
+
 def set_log_level_from_string(log_level_str: str, custom_logger: Any = None) -> None:
     """Set the level of ``custom_logger`` (zerotrain's logger by default) from a name such
     as ``"info"``, as DeepSpeed's ``set_log_level_from_string``."""

@@ -2,7 +2,12 @@
 ``safe_set_full_grad``, ``safe_update_full_grad_vectorized``, ``safe_*_local_*``), on 2
 gloo ranks against a single-process reference: a gradient replaced before ``step()`` is
 the one the step applies (clipping sees it too), and a local chunk is the rank's part of
-the full value."""
+the full value. DeepSpeed's optimizer attributes ride along: ``engine.allreduce_gradients()``
+then ``optimizer.averaged_gradients`` (the rank's chunk of each averaged gradient) and
+``fp32_groups_gradients_flat`` (each group's whole averaged gradient),
+``fp16_groups`` / ``fp32_partitioned_groups_flat`` (keys of the inner optimizer's state), and
+``runtime.zero.unwrap_model_for_generation`` between the steps (full weights, no forward hooks
+inside; training goes on after it exactly)."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +29,8 @@ def _job(rank: int, world: int, stage: int) -> dict:
                                  safe_set_full_grad, safe_set_local_grad,
                                  safe_update_full_grad_vectorized)
 
+    from zerotrain.zero import unwrap_model_for_generation
+
     model = R.make_model()
     engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=stage,
                                                                           clip=CLIP))
@@ -33,6 +40,9 @@ def _job(rank: int, world: int, stage: int) -> dict:
         params = list(model.parameters())
         if step == 0:
             out["norms"] = engine.optimizer._get_norm_groups()
+            engine.allreduce_gradients()
+            out["averaged"] = engine.optimizer.averaged_gradients
+            out["flat"] = engine.optimizer.fp32_groups_gradients_flat
         if stage == 3:   # halve the first parameter through its local chunk
             first = params[0]
             chunk = safe_get_local_grad(first)
@@ -50,6 +60,20 @@ def _job(rank: int, world: int, stage: int) -> dict:
             out["norms"] += engine.optimizer._get_norm_groups()
         engine.step()
         assert engine.optimizer._global_grad_norm == engine.get_global_grad_norm() > 0
+        assert engine.optimizer.averaged_gradients == {}   # none until the next backward
+        if step == 0:
+            masters = engine.optimizer.fp32_partitioned_groups_flat
+            assert engine.optimizer.single_partition_of_fp32_groups == masters
+            out["steps"] = [engine.optimizer.optimizer.state[m]["step"].item() for m in masters]
+            out["groups"] = [[n for n, p in model.named_parameters() if any(p is q for q in g)]
+                             for g in engine.optimizer.fp16_groups]
+            hooked = len(engine.optimizer.forward_hooks)
+            with unwrap_model_for_generation(engine):
+                out["unwrapped"] = (len(engine.optimizer.forward_hooks),
+                                    [p.numel() for p in model.parameters()])
+                with torch.no_grad():
+                    model(*R.micro_batch(0, rank, 0))
+            out["hooks"] = (hooked, len(engine.optimizer.forward_hooks))
     if stage == 3:
         p = next(model.parameters())
         full = safe_get_full_fp32_param(p).reshape(-1)
@@ -90,8 +114,23 @@ def _reference(world: int) -> tuple[dict, list]:
 def test_replaced_gradients_are_the_ones_stepped_and_local_chunks_are_the_ranks(worlds,
                                                                                 stage):
     expected, norms = _reference(2)
+    means = [g / 2 for g in R.summed_gradients(R.make_model(), 0, 2)]
     for rank, res in enumerate(worlds.run(2, _job, stage)):
         where = f"stage {stage} rank {rank}"
         assert torch.allclose(torch.stack(res["norms"]), torch.stack(norms), rtol=1e-5), where
         assert R.max_diff(res["params"], expected) < 1e-6, where
         assert all(res["local"].values()), (where, res["local"])
+        # averaged_gradients: {group 0: the rank's chunk of each first-step mean gradient}
+        assert list(res["averaged"]) == [0], where
+        for p, mean, chunk in zip(R.make_model().parameters(), means, res["averaged"][0]):
+            n = -(-p.numel() // 2)
+            padded = torch.cat([mean.reshape(-1), mean.new_zeros(2 * n - p.numel())])
+            assert torch.allclose(chunk, padded[rank * n:(rank + 1) * n], atol=1e-7), where
+        flat = torch.cat([m.reshape(-1) for m in means])   # one group: every parameter
+        assert len(res["flat"]) == 1 and torch.allclose(res["flat"][0], flat, atol=1e-7), where
+        names = sorted(n for n, _ in R.make_model().named_parameters())
+        assert sorted(sum(res["groups"], [])) == names, where   # each parameter once
+        assert res["steps"] == [1.0] * len(res["groups"]), where
+        full = [p.numel() for p in R.make_model().parameters()]
+        assert res["unwrapped"] == (0, full), where
+        assert res["hooks"][0] == res["hooks"][1] and (res["hooks"][0] > 0) == (stage == 3)

@@ -207,3 +207,28 @@ def test_comm_functions_without_a_process_group_say_what_to_call(name, args):
     with pytest.raises(RuntimeError, match=r"comm\.\w+\(\) needs the process group: call "
                                            r"zerotrain\.init_distributed\(\)"):
         getattr(zerotrain.comm, name)(*args)
+
+
+# --------------------------------------------------------------------------- partition_parameters
+def test_partition_parameters_handles_and_released_shape_answer_as_deepspeeds():
+    from zerotrain.stages.zero3.partition import empty_placeholder
+    from zerotrain.zero.partition_parameters import (MultipleAllGatherHandles,
+                                                     partitioned_param_data_shape)
+
+    class Positional:
+        def wait(self, handle_dependency=True):
+            self.seen = handle_dependency
+
+    class KeywordOnly:
+        def wait(self, *, handle_dependency=True):
+            self.seen = handle_dependency
+
+    class Kwargs:
+        def wait(self, **kwargs):
+            self.seen = kwargs
+
+    handles = [Positional(), KeywordOnly(), Kwargs()]
+    MultipleAllGatherHandles(handles).wait(handle_dependency=False)
+    assert [h.seen for h in handles] == [False, False, {"handle_dependency": False}]
+    released = empty_placeholder(torch.nn.Parameter(torch.ones(3, 6)))
+    assert released.shape == torch.Size(partitioned_param_data_shape)

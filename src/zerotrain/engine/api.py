@@ -23,6 +23,8 @@ import os
 from typing import Any, Optional
 
 from ..checkpoint.save import rank_file
+from ..optim import ZeroOptimizer
+from .optimizer_views import OptimizerViews
 
 # Config optimizer types DeepSpeed names in lower case (its DEEPSPEED_OPTIMIZERS); others,
 # torch's SGD among them, keep their spelling.
@@ -34,7 +36,6 @@ class DeepSpeedEngineAPI:
 
     config: Any
     comm: Any
-    optimizer: Any
     stage: Any
     loss_scaler: Any
     _last_outcome: Any
@@ -146,6 +147,29 @@ class DeepSpeedEngineAPI:
         return self.config.wall_clock_breakdown
 
     # -------------------------------------------- engine attributes DeepSpeed's tests read
+    @property
+    def optimizer(self) -> Any:
+        return self.__dict__.get("_optimizer_object")
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        """The engine's optimizer, bound to this engine's views when it is zerotrain's, so
+        DeepSpeed's optimizer attributes (``averaged_gradients``...) can answer."""
+        if isinstance(value, ZeroOptimizer):
+            value.views = OptimizerViews(self)
+        self.__dict__["_optimizer_object"] = value
+
+    def allreduce_gradients(self, bucket_size: Any = None) -> None:
+        """DeepSpeed's explicit reduction after ``backward()``: finish every gradient
+        reduction still in flight. zerotrain reduces at the end of the accumulation
+        window's backward by itself, so this only waits for it (``bucket_size`` is
+        DeepSpeed's and unused)."""
+        self.settle()
+        buckets = getattr(self.stage, "buckets", None)
+        if buckets is not None and self._backward_in_window \
+                and self.is_gradient_accumulation_boundary():
+            buckets.collect()
+
     @property
     def sparse_tensor_module_names(self) -> set[str]:
         """Modules whose gradients DeepSpeed reduces as sparse tensors (``sparse_gradients``).

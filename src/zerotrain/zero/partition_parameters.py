@@ -12,16 +12,34 @@ when called.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "_orig_torch_arange",
-           "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus",
+           "_orig_torch_arange", "partitioned_param_data_shape", "register_external_parameter",
+           "zero_wrapper_for_fp_tensor_constructor"]
 
 _orig_torch_arange = torch.arange   # DeepSpeed's name for the unwrapped constructor
+
+# The shape of a partitioned parameter's ``.data`` while it is released (an empty
+# placeholder; the values live in ``ds_tensor``), under DeepSpeed's name.
+partitioned_param_data_shape = [0]
+
+
+class MultipleAllGatherHandles:
+    """Several gather handles waited on as one (DeepSpeed's ``all_gather_coalesced`` result
+    over several groups): ``wait`` passes ``handle_dependency`` to each by keyword, so a
+    handle whose ``wait`` takes it keyword-only or as ``**kwargs`` gets it too."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype,

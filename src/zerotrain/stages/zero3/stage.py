@@ -21,10 +21,11 @@ Note: one stage-3 step
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -188,6 +189,27 @@ class PartitionedDataParallel(BucketedStage):
         for unit in self.units:
             if not (unit.spec.persistent or unit.held or unit.state is UnitState.RELEASED):
                 unit.release()
+
+    def forward_hook_handles(self) -> list[Any]:
+        """The handles of the module hooks that gather units in forward (DeepSpeed's
+        ``forward_hooks``); none while :meth:`forward_hooks_set_aside` holds them."""
+        if getattr(self, "_forward_hooks_aside", False):
+            return []
+        dicts = {id(d) for m in self.module.modules()
+                 for d in (m._forward_pre_hooks, m._forward_hooks)}
+        return [h for h in self._handles if id(h.hooks_dict_ref()) in dicts]
+
+    @contextlib.contextmanager
+    def forward_hooks_set_aside(self) -> Iterator[None]:
+        """The forward hooks out of the modules for the block, back after in their order
+        (DeepSpeed's ``unwrap_model_for_generation``; the caller gathers the parameters)."""
+        handles = self.forward_hook_handles()
+        self._forward_hooks_aside = True
+        try:
+            with hooks_set_aside(handles):
+                yield
+        finally:
+            self._forward_hooks_aside = False
 
     def publish_parameters(self) -> None:
         """After a load: frozen shards follow their (loaded) masters, int8 ones are quantized

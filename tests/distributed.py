@@ -7,6 +7,14 @@ exception on any rank fails the test with that rank's traceback.
 :func:`run_world` starts a fresh world per call (for tests that break the process group on
 purpose); :class:`WorldPool` keeps N ranks alive and runs many functions on them, so the
 suite pays the start-up of a world once per world size.
+
+Ranks are forked from multiprocessing's fork server, which has imported torch and zerotrain
+once per test process (:data:`_PRELOAD`): a rank then costs a fork instead of an interpreter
+start-up and those imports (about 3 s of CPU each, which a 2-core CI machine pays dozens of
+times over a run). A forked rank would carry the server's environment, so each rank takes
+the test process's environment as it is when the rank starts, as a spawned one would. A
+forked rank leaves by ``os._exit`` (no ``atexit`` handlers, no interpreter finalization):
+a test about what happens at interpreter exit passes ``start="spawn"`` to :func:`run_world`.
 """
 from __future__ import annotations
 
@@ -27,6 +35,41 @@ DEFAULT_TIMEOUT_S = 240
 _POLL_S = 1.0          # how often the pool checks that every rank is still alive
 _STACK_DUMP_WAIT_S = 3.0
 _CLOSE_WAIT_S = 5.0    # how long closing waits for ranks to exit before killing them
+_PRELOAD = ["torch", "torch.distributed", "zerotrain", "distributed", "reference"]
+
+
+def _context(start: str = "forkserver"):
+    """The fork server's context (the server, started on first use, imports :data:`_PRELOAD`;
+    a module that fails to import there is left to the rank that needs it), or ``spawn``'s."""
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _take_environment(env: dict[str, str], rank: int, world_size: int) -> None:
+    """The test process's environment (not the fork server's) plus this rank's variables."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:   # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
 
 
 def _watch_faults() -> None:
@@ -47,13 +90,12 @@ def _describe_exit(code) -> str:
 
 
 def _rank_entry(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str,
-                args: tuple, kwargs: dict) -> None:
+                env: dict[str, str], args: tuple, kwargs: dict) -> None:
     import torch
     import torch.distributed as dist
 
     _watch_faults()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    _take_environment(env, rank, world_size)
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
@@ -71,17 +113,20 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, store_path: str, out_d
 
 
 def run_world(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
-              expect_error: bool = False, **kwargs) -> list[Any]:
+              expect_error: bool = False, start: str = "forkserver", **kwargs) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
 
     Returns the per-rank return values. With ``expect_error`` the per-rank result dicts
-    (``ok``, ``error``, ``traceback``) are returned instead of raising.
+    (``ok``, ``error``, ``traceback``) are returned instead of raising. ``start="spawn"``
+    starts each rank as a new interpreter that exits like a script does (``atexit``
+    handlers, then finalization), for tests about interpreter exit.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start)
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_entry,
-                             args=(fn, r, world_size, store_path, tmp, args, kwargs))
+                             args=(fn, r, world_size, store_path, tmp, env, args, kwargs))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -112,22 +157,21 @@ def run_world(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIM
     return [res["value"] for res in results]
 
 
-def _pool_rank(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+def _pool_rank(rank: int, world_size: int, store_path: str, owner: int, env: dict[str, str],
+               tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
     _watch_faults()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    _take_environment(env, rank, world_size)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size)
-    parent = os.getppid()
     while True:
         try:
             task = tasks.get(timeout=_POLL_S)
         except queue.Empty:
-            if os.getppid() != parent:  # the test process died: do not linger as an orphan
+            if _gone(owner):  # the test process died: do not linger as an orphan
                 os._exit(1)
             continue
         if task is None:
@@ -160,14 +204,16 @@ class WorldPool:
     """``world_size`` long-lived gloo ranks that run submitted functions one at a time."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         store = os.path.join(self._tmp.name, "store")
+        owner, env = os.getpid(), dict(os.environ)
         self._procs = [ctx.Process(target=_pool_rank, daemon=True,
-                                   args=(r, world_size, store, self._tasks[r], self._results))
+                                   args=(r, world_size, store, owner, env, self._tasks[r],
+                                         self._results))
                        for r in range(world_size)]
         for p in self._procs:
             p.start()

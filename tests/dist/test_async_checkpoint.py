@@ -199,7 +199,7 @@ def _resume_job(rank, world, root):
 @pytest.mark.slow
 def test_interpreter_exit_waits_for_the_save_in_flight(tmp_path):
     root = str(tmp_path)
-    assert run_world(_exit_job, 2, root) == [True, True]
+    assert run_world(_exit_job, 2, root, start="spawn") == [True, True]   # a real exit
     assert open(os.path.join(root, "latest")).read() == "at_exit"
     assert sorted(os.listdir(root)) == ["at_exit", "latest"]
 

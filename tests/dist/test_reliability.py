@@ -77,34 +77,42 @@ def test_a_rank_that_stops_communicating_gives_a_named_error_on_every_rank(tmp_p
     assert elapsed < 120, elapsed
 
 
-def _torchrun_training(tmp_path, name: str, kill: bool) -> tuple[str, dict]:
-    """Train 8 steps at stage 2 under torchrun (--max-restarts 1), saving every step; with
-    ``kill`` rank 1 SIGKILLs itself after step 5 of the first attempt."""
-    script = tmp_path / f"{name}.py"
-    ckpt, result = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.json"
+def train_saving_every_step(rank: int, ckpt: str, kill: bool) -> dict:
+    """Train 8 steps at stage 2 with auto-resume from ``ckpt``, saving every step; with
+    ``kill`` rank 1 SIGKILLs itself after step 5 of torchrun's first attempt. Returns the
+    parameters (flattened lists). Run by the torchrun script and by the pool alike."""
+    import signal
+
+    import zerotrain
+    config = R.engine_config(stage=2, comms_timeout=60, checkpoint={"auto_resume": ckpt})
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    print(f"rank {rank} attempt {attempt} starts at step {engine.global_steps}", flush=True)
+    while engine.global_steps < 8:
+        step = engine.global_steps
+        engine.backward(engine(*R.micro_batch(step, rank, 0)))
+        engine.step()
+        engine.save_checkpoint(ckpt)
+        if kill and attempt == 0 and rank == 1 and engine.global_steps == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}
+
+
+def _torchrun_training(tmp_path) -> tuple[str, dict]:
+    """:func:`train_saving_every_step` under torchrun (--max-restarts 1) with the kill."""
+    script = tmp_path / "killed.py"
+    ckpt, result = tmp_path / "killed-ckpt", tmp_path / "killed.json"
     script.write_text(textwrap.dedent(f"""
-        import json, os, signal, sys, torch
+        import json, os, sys
         sys.path.insert(0, {HERE!r})
-        import zerotrain, reference as R
-        config = R.engine_config(stage=2, comms_timeout=60,
-                                 checkpoint={{"auto_resume": {str(ckpt)!r}}})
-        model = R.make_model()
-        engine, *_ = zerotrain.initialize(model=model, config=config)
-        rank = torch.distributed.get_rank()
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        print(f"rank {{rank}} attempt {{attempt}} starts at step {{engine.global_steps}}",
-              flush=True)
-        while engine.global_steps < 8:
-            step = engine.global_steps
-            engine.backward(engine(*R.micro_batch(step, rank, 0)))
-            engine.step()
-            engine.save_checkpoint({str(ckpt)!r})
-            if {kill!r} and attempt == 0 and rank == 1 and engine.global_steps == 5:
-                os.kill(os.getpid(), signal.SIGKILL)
+        sys.path.insert(0, {os.path.join(HERE, "dist")!r})
+        from test_reliability import train_saving_every_step
+        rank = int(os.environ["RANK"])
+        params = train_saving_every_step(rank, {str(ckpt)!r}, kill=True)
         if rank == 0:
             with open({str(result)!r}, "w") as f:
-                json.dump({{n: p.detach().reshape(-1).tolist()
-                           for n, p in model.named_parameters()}}, f)
+                json.dump(params, f)
     """))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc_per_node", "2", "--max-restarts", "1", str(script)],
@@ -115,11 +123,16 @@ def _torchrun_training(tmp_path, name: str, kill: bool) -> tuple[str, dict]:
         return text, json.load(f)
 
 
+def _uninterrupted(rank, world, ckpt):
+    return train_saving_every_step(rank, ckpt, kill=False)
+
+
 @pytest.mark.slow
-def test_a_killed_rank_restarted_by_torchrun_resumes_without_losing_a_step(tmp_path):
+def test_a_killed_rank_restarted_by_torchrun_resumes_without_losing_a_step(worlds, tmp_path):
     """SIGKILL one of 2 ranks mid-training under ``torchrun --max-restarts 1``: the job
-    finishes from the last checkpoint with an uninterrupted run's parameters, bit for bit."""
-    text, interrupted = _torchrun_training(tmp_path, "killed", kill=True)
+    finishes from the last checkpoint with an uninterrupted run's parameters, bit for bit
+    (the same function on the pool's 2 ranks, which need no launch of their own)."""
+    text, interrupted = _torchrun_training(tmp_path)
     assert "attempt 1 starts at step 5" in text, text[-3000:]
-    _, uninterrupted = _torchrun_training(tmp_path, "straight", kill=False)
+    uninterrupted = worlds.run(2, _uninterrupted, str(tmp_path / "straight-ckpt"))[0]
     assert interrupted == uninterrupted

@@ -87,5 +87,9 @@ def _describe(entry: Optional[tuple]) -> str:
     op, numel, label = entry
     if op == "use":   # a stage-3 unit used in forward or backward (zero3/hooks.py)
         return f"use of {label}"
+    if op == "left the plan":   # Note "launch plans" in stages/zero3/plan.py
+        return f"left the cycle's plan: {label}"
+    if op == "plan":
+        return f"the optimizer step (its plan of {numel} launches, CRC-32 {label})"
     size = "" if numel is None else f" of {numel} elements"
     return f"{op}{size}" + (f" for {label}" if label else "")

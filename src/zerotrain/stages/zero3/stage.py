@@ -35,11 +35,12 @@ from ...offload import Storage
 from ...core.precision import PrecisionPolicy
 from ..base import FROZEN, BucketedStage, CompileTarget, ShardRecord
 from . import partition as P
-from .gather_check import STEP
+from ...errors import RankDivergenceError
 from .hierarchical import build_groups
 from .scheduler import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
                     unit_users)
 from .init import GatheredParameters
+from .plan import use_launch_plans
 from .leaf import apply_leaf_module_config
 from .unit import GroupSlice, Unit, UnitState
 from .unit_specs import build_units
@@ -125,6 +126,7 @@ class PartitionedDataParallel(BucketedStage):
         self._uses = [(f"{self._describe_unit(i)} in forward",
                        f"{self._describe_unit(i)} in backward") for i in range(len(self.units))]
         self._handles = install_module_hooks(module, self.units, self.scheduler)
+        use_launch_plans(self, reduce_scatter)   # Note "launch plans" in plan.py
         _mark_lockstep(module, True)
         self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))
         for r, (unit, s) in enumerate(self._records):
@@ -162,9 +164,15 @@ class PartitionedDataParallel(BucketedStage):
         """Stage 2's step; on the host its all-reduce goes out after a header, as every
         stage-3 collective does (Note "held reductions" in gather_check.py)."""
         self.buckets.collect()
-        if self._host_checked:
-            self.wire.host.agree(STEP, label="optimizer step")
-        return super().step(grad_scale=grad_scale, clip=clip)
+        if not self._host_checked:
+            return super().step(grad_scale=grad_scale, clip=clip)
+        self.wire.host.before_step(label="optimizer step")
+        try:
+            return super().step(grad_scale=grad_scale, clip=clip)
+        except RankDivergenceError:
+            if self.wire.host.plan is not None:   # the ranks' records differ: no plan
+                self.wire.host.plan.forget()
+            raise
 
     def close(self) -> None:
         """Settle and release offload resources, then hand the module back partitioned, as

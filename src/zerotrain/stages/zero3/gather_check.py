@@ -19,8 +19,10 @@ Note: gather check
     goes first, alone, and is checked before they launch: gloo aborts the process (SIGABRT,
     no exception) when two ranks' gathers differ in size, which is what two different
     units usually are, so nothing of a unit may launch before the ranks agree on it. That
-    is one more small launch and a round trip per unit on the host (docs/BENCHMARKS.md).
-    qwZ's int8 gathers carry no header.
+    is one more small launch and a round trip per unit on the host (docs/BENCHMARKS.md),
+    paid until the ranks agree on a launch plan, after which a cycle that follows it sends
+    no header at all (Note "launch plans" in ``plan.py``). qwZ's int8 gathers carry no
+    header.
 
 Note: held reductions
     On the host a gather is not the only collective that can meet another rank's

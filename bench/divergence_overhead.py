@@ -6,7 +6,9 @@ hits them alike: "checked" (as shipped), "unchecked" (the checks patched out: no
 launch plan, reductions unheld, the collective trail notes nothing) and "headers" (the
 checks without launch plans: a header before every stage-3 launch, as before plans). Each
 width gets its own engine. Reported: median step times, and the median over the run of
-each checked (headers) step's time over the unchecked step's right after it. The first
+each checked (headers) step's time over the unchecked step's right after it, in wall time
+and in the training thread's CPU time (which load on the machine disturbs less: what the
+checks add once no header waits is CPU work in that thread). The first
 ``--warmup`` steps of each mode are left out (stage 3 sends headers until the ranks agree
 on a plan, zero3/plan.py); the extra launches and check bytes are counted in one step of
 each mode after it.
@@ -58,6 +60,24 @@ def _patches():
 MODES = ("checked", "unchecked", "headers")   # one step each, in turn
 
 
+class _Stopwatch:
+    """CPU time spent in the checks' own functions (no collective inside them)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, owner, name):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):   # CPU time of this thread: preemption not counted
+            start = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+        setattr(owner, name, timed)
+
+
 def _bench(rank, world, blocks, widths, steps, warmup, stage):
     import torch
     from torch import nn
@@ -65,6 +85,13 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
     import zerotrain
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    from zerotrain.comm import trail as trail_mod
+    from zerotrain.stages.zero3 import plan as plan_mod
+    stopwatch = _Stopwatch()   # before the patches: "unchecked" leaves these uncalled
+    for owner, name in ((trail_mod.CollectiveTrail, "note"), (trail_mod.CollectiveTrail,
+                        "carried"), (plan_mod.LaunchPlan, "admit"),
+                        (plan_mod.LaunchPlan, "end_cycle")):
+        stopwatch.wrap(owner, name)
     patches = _patches()
     results = {}
     for width in widths:
@@ -80,6 +107,8 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
         x = torch.randn(16, width)
         ledger = engine.comm.ledger
         times = {mode: [] for mode in MODES}
+        cpus = {mode: [] for mode in MODES}   # the training thread's CPU time per step
+        inside = {mode: [] for mode in MODES}   # time in the checks' own code per step
         snaps = {}
         host = getattr(getattr(engine.stage, "wire", None), "host", None)
         plan = getattr(host, "plan", None)
@@ -90,13 +119,16 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
             if host is not None:   # "headers": the checks without launch plans
                 host.plan = None if mode == "headers" else plan
             ledger.reset()
-            start = time.perf_counter()
+            stopwatch.seconds = 0.0
+            start, cpu = time.perf_counter(), time.thread_time()
             loss = engine(x).square().mean()
             engine.backward(loss)
             engine.step()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
             if step >= len(MODES) * warmup:
                 times[mode].append(elapsed)
+                cpus[mode].append(cpu)
+                inside[mode].append(stopwatch.seconds)
                 snaps.setdefault(mode, ledger.snapshot())
         for owner, name, checked, _ in patches:
             setattr(owner, name, checked)
@@ -104,9 +136,13 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
         medians = {m: statistics.median(t) for m, t in times.items()}
         # each checked step over the unchecked one right after it: load that drifts over
         # the run hits both sides of a pair alike
+        medians["inside"] = statistics.median(inside["checked"])
+        medians["unchecked cpu"] = statistics.median(cpus["unchecked"])
         for mode in ("checked", "headers"):
             medians[f"{mode} pairs"] = statistics.median(
                 c / u for c, u in zip(times[mode], times["unchecked"]))
+            medians[f"{mode} cpu"] = statistics.median(
+                c / u for c, u in zip(cpus[mode], cpus["unchecked"]))
         results[width] = (medians, snaps)
     return results
 
@@ -125,8 +161,9 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}")
     print("| stage | width | unchecked | checked | checked / unchecked (median of pairs) | "
           "header launches, check bytes per step | headers only, no plan | "
-          "headers / unchecked (median of pairs) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "headers / unchecked (median of pairs) | training thread CPU: checked / "
+          "unchecked, headers / unchecked | checks' own code per checked step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.stages:
         per_width, *_ = run_world(_bench, args.world, args.blocks, args.widths, args.steps,
                                   args.warmup, stage, timeout=3600)
@@ -136,7 +173,11 @@ def main() -> None:
             print(f"| {stage} | {width} | {times['unchecked'] * 1e3:.2f} ms | "
                   f"{times['checked'] * 1e3:.2f} ms | {times['checked pairs']:.3f} | "
                   f"{calls['checked'] - calls['unchecked']}, {check} | "
-                  f"{times['headers'] * 1e3:.2f} ms | {times['headers pairs']:.3f} |")
+                  f"{times['headers'] * 1e3:.2f} ms | {times['headers pairs']:.3f} | "
+                  f"{times['checked cpu']:.3f}, {times['headers cpu']:.3f} | "
+                  f"{times['inside'] * 1e6:.0f} us "
+                  f"({100 * times['inside'] / times['unchecked cpu']:.2f}% of the unchecked step's "
+                  "CPU) |")
 
 
 if __name__ == "__main__":

@@ -155,6 +155,7 @@ SHORT_TIMEOUT_S = 20
 # (Note "launch plans" in zero3/plan.py): no headers, and a rank that leaves the plan sends
 # what the others expect up to the step, whose fingerprints then differ.
 PLANNED_STEP = 3
+PLANNED = TRACED + ["raise"]
 
 
 def _traced_injections(rank, world):
@@ -166,7 +167,7 @@ def _traced_injections(rank, world):
                              comms_timeout=SHORT_TIMEOUT_S) for kind in TRACED}
         out.update({(kind, "planned"): _inject(
             rank, world, 3, kind, bad_step=PLANNED_STEP, steps=PLANNED_STEP + 1,
-            planned=planned, comms_timeout=SHORT_TIMEOUT_S) for kind in TRACED})
+            planned=planned, comms_timeout=SHORT_TIMEOUT_S) for kind in PLANNED})
         return out, planned
     finally:
         set_group_timeout(saved)
@@ -176,8 +177,8 @@ def _traced_injections(rank, world):
 def test_divergence_after_the_trace_exists_is_caught_at_once_on_every_rank(worlds, world):
     results = worlds.run(world, _traced_injections)
     per_rank = [out for out, _ in results]
-    assert all(planned == [True] * len(TRACED) for _, planned in results), results
-    for kind in TRACED + [(kind, "planned") for kind in TRACED]:
+    assert all(planned == [True] * len(PLANNED) for _, planned in results), results
+    for kind in TRACED + [(kind, "planned") for kind in PLANNED]:
         messages = []
         bad_step = PLANNED_STEP if isinstance(kind, tuple) else 1
         for rank in range(world):

@@ -181,8 +181,8 @@ class HostLaunches:
         """``Communicator.reduce_scatter``, held until the next header goes out; as it is
         when the cycle's plan has it next (Note "launch plans" in plan.py)."""
         if self._admitted(("reduce-scatter", input.numel(), str(input.dtype)),
-                          f"a gradient reduce-scatter of {input.numel()} elements in the "
-                          f"backward of forward pass {self.check.forward_pass}"):
+                          lambda: f"a gradient reduce-scatter of {input.numel()} elements "
+                          f"in the backward of forward pass {self.check.forward_pass}"):
             return self.comm.reduce_scatter(output, input, async_op=async_op, label=label)
         held = _HeldReduction(self, output, input, label)
         self._held.append(held)
@@ -195,8 +195,8 @@ class HostLaunches:
         """Before the unit's gathers launch: nothing when the cycle's plan has them next
         (Note "launch plans" in plan.py), else the header (``agree``)."""
         if self._admitted(("gather", unit_index),
-                          f"{self.check.describe(unit_index)}, gather {self.check.sequence} "
-                          f"of forward pass {self.check.forward_pass}"):
+                          lambda: f"{self.check.describe(unit_index)}, gather "
+                          f"{self.check.sequence} of forward pass {self.check.forward_pass}"):
             self.check.sequence += 1
             return
         self.agree(unit_index, dtype=dtype, label=label)
@@ -204,8 +204,8 @@ class HostLaunches:
     def before_step(self, *, label: str) -> None:
         """Before the step's all-reduce: the header (none when the plan has the step
         next), then the cycle's record into the trail (Note "launch plans" in plan.py)."""
-        if not self._admitted(("step",), f"the optimizer step after forward pass "
-                                         f"{self.check.forward_pass}"):
+        if not self._admitted(("step",), lambda: "the optimizer step after forward pass "
+                                                 f"{self.check.forward_pass}"):
             self.agree(STEP, label=label)
         if self.plan is not None:
             self.plan.end_cycle()
@@ -216,7 +216,7 @@ class HostLaunches:
         if self.plan is not None:
             self.plan.forget()
 
-    def _admitted(self, op: tuple, actual: str) -> bool:
+    def _admitted(self, op: tuple, actual: Callable[[], str]) -> bool:
         if self._failed is not None:
             raise self._failed
         if self.plan is None:

@@ -59,8 +59,8 @@ class LaunchPlan:
         self.cursor = 0
         self.left = 0   # cycles in which this rank left its plan (for tests and benches)
 
-    def admit(self, op: tuple, actual: str) -> bool:
-        """Note ``op``, this rank's next launch (``actual``: how it reads in an error).
+    def admit(self, op: tuple, actual: Callable[[], str]) -> bool:
+        """Note ``op``, this rank's next launch (``actual()``: how it reads in an error).
         True: the plan has it next, launch it without a header. False: there is no plan
         (any more), launch it with one. When this rank left the plan and another did not,
         raises RankDivergenceError (from ``decoy_step``) on every rank."""
@@ -74,7 +74,7 @@ class LaunchPlan:
             return True
         self.left += 1
         self.comm.ledger.trail.note("left the plan", None,
-                                    f"{actual}, where the ranks' plan had "
+                                    f"{actual()}, where the ranks' plan had "
                                     f"{self._describe(planned)}")
         remaining, self.plan = self.plan[self.cursor:-1], None
         for planned_op in remaining:

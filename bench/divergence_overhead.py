@@ -8,7 +8,8 @@ checks without launch plans: a header before every stage-3 launch, as before pla
 width gets its own engine. Reported: median step times, and the median over the run of
 each checked (headers) step's time over the unchecked step's right after it, in wall time
 and in the training thread's CPU time (which load on the machine disturbs less: what the
-checks add once no header waits is CPU work in that thread). The first
+checks add once no header waits is CPU work in that thread), and the CPU time spent inside
+the checks' own functions per checked step (the cost of timing each call taken off). The first
 ``--warmup`` steps of each mode are left out (stage 3 sends headers until the ranks agree
 on a plan, zero3/plan.py); the extra launches and check bytes are counted in one step of
 each mode after it.
@@ -65,17 +66,35 @@ class _Stopwatch:
 
     def __init__(self):
         self.seconds = 0.0
+        self.calls = 0
+        self.own = self._calibrate()   # what timing one call costs, taken off each call
 
     def wrap(self, owner, name):
-        inner = getattr(owner, name)
+        setattr(owner, name, self._timed(getattr(owner, name)))
 
+    def spent(self) -> float:
+        return max(0.0, self.seconds - self.calls * self.own)
+
+    def _timed(self, inner):
         def timed(*args, **kwargs):   # CPU time of this thread: preemption not counted
             start = time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds += time.thread_time() - start
-        setattr(owner, name, timed)
+                self.calls += 1
+        return timed
+
+    def _calibrate(self, n: int = 20000) -> float:
+        empty = self._timed(lambda: None)
+        empty()
+        self.seconds = 0.0
+        start = time.thread_time()
+        for _ in range(n):
+            empty()
+        total = time.thread_time() - start
+        inside, self.seconds, self.calls = self.seconds, 0.0, 0
+        return min(inside, total) / n
 
 
 def _bench(rank, world, blocks, widths, steps, warmup, stage):
@@ -119,7 +138,7 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
             if host is not None:   # "headers": the checks without launch plans
                 host.plan = None if mode == "headers" else plan
             ledger.reset()
-            stopwatch.seconds = 0.0
+            stopwatch.seconds, stopwatch.calls = 0.0, 0
             start, cpu = time.perf_counter(), time.thread_time()
             loss = engine(x).square().mean()
             engine.backward(loss)
@@ -128,7 +147,7 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
             if step >= len(MODES) * warmup:
                 times[mode].append(elapsed)
                 cpus[mode].append(cpu)
-                inside[mode].append(stopwatch.seconds)
+                inside[mode].append(stopwatch.spent())
                 snaps.setdefault(mode, ledger.snapshot())
         for owner, name, checked, _ in patches:
             setattr(owner, name, checked)

@@ -151,7 +151,7 @@ TRACED = ["extra_forward", "late_forward", "skip"]
 SHORT_TIMEOUT_S = 20
 
 
-# From the third step on, the launches follow the plan the ranks agreed at the step before
+# From the fourth step on, the launches follow the plan the ranks agreed at the step before
 # (Note "launch plans" in zero3/plan.py): no headers, and a rank that leaves the plan sends
 # what the others expect up to the step, whose fingerprints then differ.
 PLANNED_STEP = 3
@@ -189,10 +189,12 @@ def test_divergence_after_the_trace_exists_is_caught_at_once_on_every_rank(world
             messages.append(message.split(": ", 1)[1])
         assert len(set(messages)) == 1, (kind, messages)   # every rank names the same
     # each names where the ranks first differ: the unit (module) and the forward or step
-    for when in ("", "planned"):
-        extra = per_rank[0][("extra_forward", when) if when else "extra_forward"][2]
-        assert "engine forward" in extra and "unit 0 (module '<root>'" in extra, extra
-        skip = per_rank[0][("skip", when) if when else "skip"][2]
+    extra = per_rank[0]["extra_forward"][2]   # headers: the launches are named
+    assert "gather 0 of forward pass 3" in extra and "'<root>'" in extra, extra
+    assert "reduce-scatter" in extra, extra
+    extra = per_rank[0][("extra_forward", "planned")][2]   # a plan: the step's trail
+    assert "engine forward" in extra and "unit 0 (module '<root>'" in extra, extra
+    for skip in (per_rank[0]["skip"][2], per_rank[0][("skip", "planned")][2]):
         assert "use of unit" in skip and "'moe'" in skip, skip
     late = per_rank[0]["late_forward"][2]   # the step met a header: the gather is named
     assert "the optimizer step" in late and "gather 0 of forward pass 3" in late, late

@@ -11,8 +11,9 @@ Note: launch plans
     unit of each gather, the size and dtype of each reduce-scatter) and folds a CRC-32 of
     that record into the step's collective trail, whose fingerprint the step's all-reduce
     already compares on every rank (Note "step fingerprint" in ``comm/trail.py``). When
-    the step passes, every rank holds the same record, which becomes the *plan* of the next
-    cycle: a launch that is the plan's next goes out as it is, with no header and no held
+    the step passes, every rank holds the same record; when it is also the record of the
+    cycle before (a schedule that repeats: the first cycle, without a trace, differs from
+    the second), it becomes the *plan* of the next cycle: a launch that is the plan's next goes out as it is, with no header and no held
     reduction, so a cycle that follows its plan adds nothing to the wire but the 4 bytes of
     CRC inside the step's fingerprint.
 
@@ -27,8 +28,9 @@ Note: launch plans
     what the plan had). Nothing is stepped. When every rank left the plan at the same
     point in the same way (the schedule changed for all: the first cycle with a trace, an
     evaluation, a checkpoint save between steps), the fingerprints agree: the ranks go on
-    with headers (Note "held reductions") for the rest of the cycle, whose record is the
-    next plan. That costs one cycle of collectives, each time the schedule changes.
+    with headers (Note "held reductions") for the rest of the cycle. That costs one cycle
+    of collectives, when a schedule that repeated itself changes; the next plan needs two
+    equal cycles again.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class LaunchPlan:
         self._enabled, self._describe_unit = enabled, describe_unit
         self.record: list[tuple] = []
         self.plan: Optional[list[tuple]] = None
+        self._last: Optional[list[tuple]] = None   # the record of the cycle before
         self.cursor = 0
         self.left = 0   # cycles in which this rank left its plan (for tests and benches)
 
@@ -90,12 +93,15 @@ class LaunchPlan:
         record, self.record = self.record + [(STEP_OP,)], []
         crc = zlib.crc32(repr(record).encode())
         self.comm.ledger.trail.note("plan", len(record), f"{crc:08x}")
-        self.plan = record if self._enabled() else None
+        # a schedule that repeated itself (the first cycle has no trace yet, so the second
+        # differs from it): a plan that is left costs a cycle sent twice
+        self.plan = record if self._enabled() and record == self._last else None
+        self._last = record
         self.cursor = 0
 
     def forget(self) -> None:
         """The step failed: no plan stands."""
-        self.plan, self.record, self.cursor = None, [], 0
+        self.plan, self.record, self.cursor, self._last = None, [], 0, None
 
     def _send_in_place_of(self, op: tuple) -> None:
         if op[0] == GATHER:

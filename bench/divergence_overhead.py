@@ -1,11 +1,20 @@
 """What the divergence checks cost on the CPU (gloo): step time with and without them, and
 the bytes they add per gather and per step (docs/BENCHMARKS.md, "Divergence checks").
 
-"Without" patches the checks out in the same processes: unit gathers go out as before the
-check (one by one, no header) and the collective trail notes nothing. Modes alternate
-step by step, so load on the machine hits both alike; the median step time is reported.
+Three modes take turns step by step in the same processes, so load on the shared machine
+hits them alike: "checked" (as shipped), "unchecked" (the checks patched out: no header, no
+launch plan, reductions unheld, the collective trail notes nothing) and "headers" (the
+checks without launch plans: a header before every stage-3 launch, as before plans). Each
+width gets its own engine. Reported: median step times, and the median over the run of
+each checked (headers) step's time over the unchecked step's right after it, in wall time
+and in the training thread's CPU time (which load on the machine disturbs less: what the
+checks add once no header waits is CPU work in that thread), and the CPU time spent inside
+the checks' own functions per checked step (the cost of timing each call taken off). The first
+``--warmup`` steps of each mode are left out (stage 3 sends headers until the ranks agree
+on a plan, zero3/plan.py); the extra launches and check bytes are counted in one step of
+each mode after it.
 
-    PYTHONPATH=src python bench/divergence_overhead.py --world 2 --blocks 8 --width 256
+    PYTHONPATH=src python bench/divergence_overhead.py --world 2 --widths 256 512 1024
 """
 from __future__ import annotations
 
@@ -21,88 +30,174 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from distributed import run_world  # noqa: E402
 
 
-def _unchecked(comm, check, unit_index, shard, outputs, inputs, *, label, host=None):
-    if host is not None:
-        _launch_held(host, unit_index)
-    return [comm.all_gather_into_many(outputs, inputs, label=label)] if outputs else []
+def _patches():
+    """(module, name, checked, unchecked) for every check, so a mode is a set of assignments."""
+    from zerotrain.comm import trail as trail_mod
+    from zerotrain.stages.zero3 import gather_check
+
+    def before_gather(self, unit_index, *, dtype, label):
+        self._launch_held()
+
+    def before_step(self, *, label):
+        self._launch_held()
+
+    def reduce_scatter(self, output, input, *, async_op=False, label=""):
+        return self.comm.reduce_scatter(output, input, async_op=async_op, label=label)
+
+    def launch_held(self):
+        held, self._held = self._held, []
+        for reduction in held:
+            reduction.launch()
+
+    H = gather_check.HostLaunches
+    H._launch_held = launch_held
+    return [(trail_mod.CollectiveTrail, "note", trail_mod.CollectiveTrail.note,
+             lambda *a: None),
+            (H, "before_gather", H.before_gather, before_gather),
+            (H, "before_step", H.before_step, before_step),
+            (H, "reduce_scatter", H.reduce_scatter, reduce_scatter)]
 
 
-def _launch_held(self, unit_index, *, dtype=None, label=""):
-    """HostLaunches.agree without its header: the held reductions go out as they are."""
-    held, self._held = self._held, []
-    for reduction in held:
-        reduction.launch()
+MODES = ("checked", "unchecked", "headers")   # one step each, in turn
 
 
-def _bench(rank, world, blocks, width, steps, stage):
+class _Stopwatch:
+    """CPU time spent in the checks' own functions (no collective inside them)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+        self.own = self._calibrate()   # what timing one call costs, taken off each call
+
+    def wrap(self, owner, name):
+        setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def spent(self) -> float:
+        return max(0.0, self.seconds - self.calls * self.own)
+
+    def _timed(self, inner):
+        def timed(*args, **kwargs):   # CPU time of this thread: preemption not counted
+            start = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+                self.calls += 1
+        return timed
+
+    def _calibrate(self, n: int = 20000) -> float:
+        empty = self._timed(lambda: None)
+        empty()
+        self.seconds = 0.0
+        start = time.thread_time()
+        for _ in range(n):
+            empty()
+        total = time.thread_time() - start
+        inside, self.seconds, self.calls = self.seconds, 0.0, 0
+        return min(inside, total) / n
+
+
+def _bench(rank, world, blocks, widths, steps, warmup, stage):
     import torch
     from torch import nn
 
     import zerotrain
-    from zerotrain.comm import trail as trail_mod
-    from zerotrain.stages.zero3 import gather_check, wire
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
-                            for _ in range(blocks)])
-    config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                    "stage3_prefetch_bucket_size": width * width,
-                                    "overlap_comm": False}}
-    engine, *_ = zerotrain.initialize(model=model, config=config)
-    x = torch.randn(16, width)
-    checked, note = wire.start_checked, trail_mod.CollectiveTrail.note
-    agree = gather_check.HostLaunches.agree
-    times = {"checked": [], "unchecked": []}
-    ledger = engine.comm.ledger
-    for step in range(2 * steps + 4):
-        mode = "checked" if step % 2 == 0 else "unchecked"
-        wire.start_checked = checked if mode == "checked" else _unchecked
-        trail_mod.CollectiveTrail.note = note if mode == "checked" else (lambda *a: None)
-        gather_check.HostLaunches.agree = agree if mode == "checked" else _launch_held
-        ledger.reset()
-        start = time.perf_counter()
-        loss = engine(x).square().mean()
-        engine.backward(loss)
-        engine.step()
-        elapsed = time.perf_counter() - start
-        if step >= 4:
-            times[mode].append(elapsed)
-        if mode == "checked":
-            snap = ledger.snapshot()
-    wire.start_checked, trail_mod.CollectiveTrail.note = checked, note
-    gather_check.HostLaunches.agree = agree
-    engine.close()
-    return {m: statistics.median(t) for m, t in times.items()}, snap
+    from zerotrain.comm import trail as trail_mod
+    from zerotrain.stages.zero3 import plan as plan_mod
+    stopwatch = _Stopwatch()   # before the patches: "unchecked" leaves these uncalled
+    for owner, name in ((trail_mod.CollectiveTrail, "note"), (trail_mod.CollectiveTrail,
+                        "carried"), (plan_mod.LaunchPlan, "admit"),
+                        (plan_mod.LaunchPlan, "end_cycle")):
+        stopwatch.wrap(owner, name)
+    patches = _patches()
+    results = {}
+    for width in widths:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                for _ in range(blocks)])
+        config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10 ** 6,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": stage,
+                                        "stage3_param_persistence_threshold": 0,
+                                        "stage3_prefetch_bucket_size": width * width,
+                                        "overlap_comm": False}}
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        x = torch.randn(16, width)
+        ledger = engine.comm.ledger
+        times = {mode: [] for mode in MODES}
+        cpus = {mode: [] for mode in MODES}   # the training thread's CPU time per step
+        inside = {mode: [] for mode in MODES}   # time in the checks' own code per step
+        snaps = {}
+        host = getattr(getattr(engine.stage, "wire", None), "host", None)
+        plan = getattr(host, "plan", None)
+        for step in range(len(MODES) * (steps + warmup)):
+            mode = MODES[step % len(MODES)]
+            for owner, name, checked, unchecked in patches:
+                setattr(owner, name, unchecked if mode == "unchecked" else checked)
+            if host is not None:   # "headers": the checks without launch plans
+                host.plan = None if mode == "headers" else plan
+            ledger.reset()
+            stopwatch.seconds, stopwatch.calls = 0.0, 0
+            start, cpu = time.perf_counter(), time.thread_time()
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            if step >= len(MODES) * warmup:
+                times[mode].append(elapsed)
+                cpus[mode].append(cpu)
+                inside[mode].append(stopwatch.spent())
+                snaps.setdefault(mode, ledger.snapshot())
+        for owner, name, checked, _ in patches:
+            setattr(owner, name, checked)
+        engine.close()
+        medians = {m: statistics.median(t) for m, t in times.items()}
+        # each checked step over the unchecked one right after it: load that drifts over
+        # the run hits both sides of a pair alike
+        medians["inside"] = statistics.median(inside["checked"])
+        medians["unchecked cpu"] = statistics.median(cpus["unchecked"])
+        for mode in ("checked", "headers"):
+            medians[f"{mode} pairs"] = statistics.median(
+                c / u for c, u in zip(times[mode], times["unchecked"]))
+            medians[f"{mode} cpu"] = statistics.median(
+                c / u for c, u in zip(cpus[mode], cpus["unchecked"]))
+        results[width] = (medians, snaps)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps per mode")
+    parser.add_argument("--stages", type=int, nargs="+", default=[3])
     args = parser.parse_args()
+    print(f"{args.world} ranks (gloo), {args.blocks} blocks of Linear(w, w) + Tanh, batch 16, "
+          f"{args.steps} timed steps per mode, alternating; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| stage | width | unchecked | checked | checked / unchecked (median of pairs) | "
+          "header launches, check bytes per step | headers only, no plan | "
+          "headers / unchecked (median of pairs) | training thread CPU: checked / "
+          "unchecked, headers / unchecked | checks' own code per checked step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.stages:
-        (times, snap), *_ = run_world(_bench, args.world, args.blocks, args.width,
-                                      args.steps, stage, timeout=3600)
-        calls = snap["calls"]
-        check = snap["bytes"].get("divergence_check", 0)
-        gathers = calls.get("all_gather", 0)
-        print(f"stage {stage}, {args.world} ranks, {args.blocks} blocks of {args.width}: "
-              f"step {times['checked'] * 1e3:.2f} ms checked, "
-              f"{times['unchecked'] * 1e3:.2f} ms unchecked "
-              f"({100 * (times['checked'] / times['unchecked'] - 1):+.1f}%); "
-              f"check bytes per step {check}, collective calls {calls}")
-        if stage == 3 and gathers:
-            print(f"  per unit gather: {HEADER_NOTE}")
+        per_width, *_ = run_world(_bench, args.world, args.blocks, args.widths, args.steps,
+                                  args.warmup, stage, timeout=3600)
+        for width, (times, snaps) in per_width.items():
+            calls = {m: sum(s["calls"].values()) for m, s in snaps.items()}
+            check = snaps["checked"]["bytes"].get("divergence_check", 0)
+            print(f"| {stage} | {width} | {times['unchecked'] * 1e3:.2f} ms | "
+                  f"{times['checked'] * 1e3:.2f} ms | {times['checked pairs']:.3f} | "
+                  f"{calls['checked'] - calls['unchecked']}, {check} | "
+                  f"{times['headers'] * 1e3:.2f} ms | {times['headers pairs']:.3f} | "
+                  f"{times['checked cpu']:.3f}, {times['headers cpu']:.3f} | "
+                  f"{times['inside'] * 1e6:.0f} us "
+                  f"({100 * times['inside'] / times['unchecked cpu']:.2f}% of the unchecked step's "
+                  "CPU) |")
 
-
-HEADER_NOTE = ("16 bytes per rank (the header); on gloo one extra all_gather launch per unit "
-               "gather, per optimizer step and per backward's held tail of reductions, "
-               "counted in the calls above")
 
 if __name__ == "__main__":
     main()

@@ -90,15 +90,18 @@ class _Raise(torch.autograd.Function):
         raise RuntimeError("injected failure in backward")
 
 
-def _inject(rank, world, stage, kind, bad_step=1, steps=3, **extra):
+def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra):
     """Train 3 steps; at ``bad_step`` rank 1 diverges as ``kind`` says. Returns
-    (step reached, error name, message) of the first error."""
+    (step reached, error name, message) of the first error; appends to ``planned``
+    whether stage 3's launches followed a plan at ``bad_step`` (zero3/plan.py)."""
     engine, model = _engine(stage, leaf=stage == 3, n_experts=2, **extra)
     moe_forward = model.moe.forward
     step = 0
     try:
         for step in range(steps):
             bad = rank == 1 and step == bad_step
+            if planned is not None and step == bad_step:
+                planned.append(engine.stage.wire.host.plan.plan is not None)
             x, route, y = M.batch(step, rank, n_experts=2, random_routes=True)
             model.skip_moe = bad and kind == "skip"   # the block is not called at all
             if bad and kind == "raise":
@@ -148,36 +151,55 @@ TRACED = ["extra_forward", "late_forward", "skip"]
 SHORT_TIMEOUT_S = 20
 
 
+# From the fourth step on, the launches follow the plan the ranks agreed at the step before
+# (Note "launch plans" in zero3/plan.py): no headers, and a rank that leaves the plan sends
+# what the others expect up to the step, whose fingerprints then differ.
+PLANNED_STEP = 3
+PLANNED = TRACED + ["raise"]
+
+
 def _traced_injections(rank, world):
     from zerotrain.comm.setup import group_timeout, set_group_timeout
     saved = group_timeout()   # the pool's ranks run later tests with their own timeout
+    planned: list = []
     try:
-        return {kind: _inject(rank, world, 3, kind, bad_step=1,
-                              comms_timeout=SHORT_TIMEOUT_S) for kind in TRACED}
+        out = {kind: _inject(rank, world, 3, kind, bad_step=1,
+                             comms_timeout=SHORT_TIMEOUT_S) for kind in TRACED}
+        out.update({(kind, "planned"): _inject(
+            rank, world, 3, kind, bad_step=PLANNED_STEP, steps=PLANNED_STEP + 1,
+            planned=planned, comms_timeout=SHORT_TIMEOUT_S) for kind in PLANNED})
+        return out, planned
     finally:
         set_group_timeout(saved)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_divergence_after_the_trace_exists_is_caught_at_once_on_every_rank(worlds, world):
-    per_rank = worlds.run(world, _traced_injections)
-    for kind in TRACED:
+    results = worlds.run(world, _traced_injections)
+    per_rank = [out for out, _ in results]
+    assert all(planned == [True] * len(PLANNED) for _, planned in results), results
+    for kind in TRACED + [(kind, "planned") for kind in PLANNED]:
         messages = []
+        bad_step = PLANNED_STEP if isinstance(kind, tuple) else 1
         for rank in range(world):
             step, name, message = per_rank[rank][kind]
             assert name == "RankDivergenceError", (kind, rank, name, message)
-            assert step == 1, (kind, rank, step, message)
+            assert step == bad_step, (kind, rank, step, message)
             assert f"rank {rank}:" in message and "rank 1: " in message, message
             messages.append(message.split(": ", 1)[1])
         assert len(set(messages)) == 1, (kind, messages)   # every rank names the same
-    # each names where the ranks first differ: the unit (module) and the pass or step
-    extra = per_rank[0]["extra_forward"][2]
+    # each names where the ranks first differ: the unit (module) and the forward or step
+    extra = per_rank[0]["extra_forward"][2]   # headers: the launches are named
     assert "gather 0 of forward pass 3" in extra and "'<root>'" in extra, extra
     assert "reduce-scatter" in extra, extra
-    late = per_rank[0]["late_forward"][2]
-    assert "the optimizer step" in late and "forward pass 3" in late, late
-    skip = per_rank[0]["skip"][2]
-    assert "use of unit" in skip and "'moe'" in skip, skip
+    extra = per_rank[0][("extra_forward", "planned")][2]   # a plan: the step's trail
+    assert "engine forward" in extra and "unit 0 (module '<root>'" in extra, extra
+    for skip in (per_rank[0]["skip"][2], per_rank[0][("skip", "planned")][2]):
+        assert "use of unit" in skip and "'moe'" in skip, skip
+    late = per_rank[0]["late_forward"][2]   # the step met a header: the gather is named
+    assert "the optimizer step" in late and "gather 0 of forward pass 3" in late, late
+    late = per_rank[0][("late_forward", "planned")][2]
+    assert "the optimizer step" in late and "engine forward" in late, late
 
 
 CHAOS_STEPS = {2: 50, 3: 25}   # per stage: 200 steps on 2 ranks, 100 on 3

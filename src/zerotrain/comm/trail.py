@@ -3,7 +3,7 @@
 Note: step fingerprint
     Every collective a :class:`~zerotrain.comm.Communicator` launches, every training
     forward of the engine, and every use of a stage-3 unit, is noted here as (operation,
-    elements, purpose) and folded into a running CRC-32. At each optimizer step the scalar
+    elements, purpose), and a CRC-32 of the entries is taken at the step. There the scalar
     all-reduce that already happens (the gradient norm) carries the fingerprint too: its
     eight 4-bit digits ``d`` and their squares, summed over ranks. Every rank then knows
     whether all fingerprints agree, without another collective:
@@ -13,9 +13,9 @@ Note: step fingerprint
     collective anywhere in the step (an extra forward, an exception caught in the middle of
     backward, a module skipped) is caught at that step on every rank; only then do the
     ranks exchange their trails (one ``all_gather_object``) so that the error shows the
-    first entry where they differ. Cost per collective: one tuple and a CRC-32 of a short
-    string; per step: 16 float32 elements (64 bytes) in the all-reduce. Stage 0, which has
-    no scalar all-reduce, runs one of 16 elements (counted apart: ``divergence_check``).
+    first entry where they differ. Cost per collective: one tuple (its CRC-32 is taken at
+    the step); per step: 16 float32 elements (64 bytes) in the all-reduce. Stage 0, which
+    has no scalar all-reduce, runs one of 16 elements (counted apart: ``divergence_check``).
 
 Note: a failed backward
     A rank whose backward raises has launched only part of the step's gradient reductions,
@@ -46,10 +46,15 @@ class CollectiveTrail:
         self.entries: list[tuple[str, Optional[int], str]] = []
 
     def note(self, op: str, numel: Optional[int], label: str) -> None:
-        self.crc = zlib.crc32(f"{op}|{numel}|{label};".encode(), self.crc)
+        """One entry; folded into the CRC at the step (``carried``), or at once beyond the
+        kept entries: the training path pays a tuple and an append."""
         self.count += 1
         if len(self.entries) < MAX_ENTRIES:
             self.entries.append((op, numel, label))
+            return
+        if self.count == MAX_ENTRIES + 1:   # the kept entries first, in order
+            self.crc = _fold(self.entries, 0)
+        self.crc = _fold([(op, numel, label)], self.crc)
 
     def restart(self) -> None:
         self.crc, self.count = 0, 0
@@ -57,7 +62,8 @@ class CollectiveTrail:
 
     def carried(self) -> list[float]:
         """The digits of the fingerprint (count folded in) and their squares."""
-        value = zlib.crc32(self.count.to_bytes(8, "little"), self.crc)
+        crc = self.crc if self.count > MAX_ENTRIES else _fold(self.entries, 0)
+        value = zlib.crc32(self.count.to_bytes(8, "little"), crc)
         digits = [(value >> (4 * k)) & 15 for k in range(DIGITS)]
         return [float(d) for d in digits] + [float(d * d) for d in digits]
 
@@ -67,6 +73,12 @@ class CollectiveTrail:
         digits = [round(x) for x in sums[:DIGITS]]
         squares = [round(x) for x in sums[DIGITS:CARRIED]]
         return all(world * q == d * d for d, q in zip(digits, squares))
+
+
+def _fold(entries: Sequence[tuple], crc: int) -> int:
+    """CRC-32 of ``entries`` (operation, elements, purpose), continuing ``crc``."""
+    return zlib.crc32("".join(f"{op}|{numel}|{label};" for op, numel, label in entries)
+                      .encode(), crc)
 
 
 def first_difference(trails: Sequence[Sequence[tuple]]) -> str:
@@ -87,5 +99,9 @@ def _describe(entry: Optional[tuple]) -> str:
     op, numel, label = entry
     if op == "use":   # a stage-3 unit used in forward or backward (zero3/hooks.py)
         return f"use of {label}"
+    if op == "left the plan":   # Note "launch plans" in stages/zero3/plan.py
+        return f"left the cycle's plan: {label}"
+    if op == "plan":
+        return f"the optimizer step (its plan of {numel} launches, CRC-32 {label})"
     size = "" if numel is None else f" of {numel} elements"
     return f"{op}{size}" + (f" for {label}" if label else "")

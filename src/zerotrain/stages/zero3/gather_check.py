@@ -19,8 +19,10 @@ Note: gather check
     goes first, alone, and is checked before they launch: gloo aborts the process (SIGABRT,
     no exception) when two ranks' gathers differ in size, which is what two different
     units usually are, so nothing of a unit may launch before the ranks agree on it. That
-    is one more small launch and a round trip per unit on the host (docs/BENCHMARKS.md).
-    qwZ's int8 gathers carry no header.
+    is one more small launch and a round trip per unit on the host (docs/BENCHMARKS.md),
+    paid until the ranks agree on a launch plan, after which a cycle that follows it sends
+    no header at all (Note "launch plans" in ``plan.py``). qwZ's int8 gathers carry no
+    header.
 
 Note: held reductions
     On the host a gather is not the only collective that can meet another rank's
@@ -67,6 +69,9 @@ class GatherCheck:
     def describe_units_with(self, describe: Callable[[int], str]) -> None:
         """How a unit index reads in an error (the stage knows its units' modules)."""
         self._describe = describe
+
+    def describe(self, unit_index: int) -> str:
+        return self._describe(unit_index)
 
     def begin_pass(self) -> None:
         """A forward of the whole model starts."""
@@ -169,16 +174,58 @@ class HostLaunches:
         self._failed: Optional[RankDivergenceError] = None
         # per dtype: this rank's header and every rank's, reused (the gather is synchronous)
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.plan = None   # a LaunchPlan (Note "launch plans" in plan.py), where usable
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        async_op: bool = False, label: str = ""):
-        """``Communicator.reduce_scatter``, held until the next header goes out."""
+        """``Communicator.reduce_scatter``, held until the next header goes out; as it is
+        when the cycle's plan has it next (Note "launch plans" in plan.py)."""
+        if self._admitted(("reduce-scatter", input.numel(), str(input.dtype)),
+                          lambda: f"a gradient reduce-scatter of {input.numel()} elements "
+                          f"in the backward of forward pass {self.check.forward_pass}"):
+            return self.comm.reduce_scatter(output, input, async_op=async_op, label=label)
         held = _HeldReduction(self, output, input, label)
         self._held.append(held)
         if async_op:
             return held
         held.wait()
         return None
+
+    def before_gather(self, unit_index: int, *, dtype: torch.dtype, label: str) -> None:
+        """Before the unit's gathers launch: nothing when the cycle's plan has them next
+        (Note "launch plans" in plan.py), else the header (``agree``)."""
+        if self._admitted(("gather", unit_index),
+                          lambda: f"{self.check.describe(unit_index)}, gather "
+                          f"{self.check.sequence} of forward pass {self.check.forward_pass}"):
+            self.check.sequence += 1
+            return
+        self.agree(unit_index, dtype=dtype, label=label)
+
+    def before_step(self, *, label: str) -> None:
+        """Before the step's all-reduce: the header (none when the plan has the step
+        next), then the cycle's record into the trail (Note "launch plans" in plan.py)."""
+        if not self._admitted(("step",), lambda: "the optimizer step after forward pass "
+                                                 f"{self.check.forward_pass}"):
+            self.agree(STEP, label=label)
+        if self.plan is not None:
+            self.plan.end_cycle()
+
+    def failed(self, error: RankDivergenceError) -> None:
+        """The ranks were found apart elsewhere (the step): no collective pairs any more."""
+        self._failed = error
+        if self.plan is not None:
+            self.plan.forget()
+
+    def _admitted(self, op: tuple, actual: Callable[[], str]) -> bool:
+        if self._failed is not None:
+            raise self._failed
+        if self.plan is None:
+            return False
+        try:
+            return self.plan.admit(op, actual)
+        except RankDivergenceError as exc:
+            self.failed(exc)
+            raise
 
     def agree(self, unit_index: int, *, dtype: torch.dtype = torch.float32,
               label: str = "") -> None:
@@ -249,7 +296,7 @@ def start_checked(comm: Communicator, check: GatherCheck, unit_index: int,
         return []
     if not comm.gathers_flat(shard.device):   # host: the header alone, checked first
         host = host or HostLaunches(comm, check)
-        host.agree(unit_index, dtype=shard.dtype, label=label)
+        host.before_gather(unit_index, dtype=shard.dtype, label=label)
         return [comm.all_gather_into_many(outputs, inputs, label=label)]
     header = check.next_header(unit_index)
     h = header_numel(shard.dtype)

@@ -57,15 +57,11 @@ Note: trace and prefetch
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
-from torch import nn
-from torch.utils import _pytree as pytree
 
 from .unit import Unit, UnitState
 
@@ -311,112 +307,3 @@ class UnitScheduler:
                 seen.add(upcoming)
                 distance += self.units[upcoming].numel
         return False
-
-
-def install_module_hooks(root: nn.Module, units: list[Unit],
-                         scheduler: UnitScheduler) -> list[Any]:
-    """Forward hooks on every module that roots or uses a unit (Note: entry points); the
-    root's pre-hook also starts a pass."""
-    handles = [root.register_forward_pre_hook(lambda m, a: scheduler.begin_pass())]
-    for module, indices in unit_users(root, units).items():
-        for index in indices:
-            handles.append(module.register_forward_pre_hook(
-                functools.partial(_before_forward, scheduler, index), with_kwargs=True))
-            # always_call: a forward that raises still lets go of its unit (torch's
-            # checkpoint ends a recomputation by raising inside the last operation that
-            # saves a tensor)
-            handles.append(module.register_forward_hook(
-                functools.partial(_after_forward, scheduler, index), always_call=True))
-    return handles
-
-
-def unit_users(root: nn.Module, units: list[Unit]) -> dict[nn.Module, list[int]]:
-    """Module -> the non-persistent units it needs gathered when called on its own."""
-    owner = {id(p): u.spec.index for u in units if not u.spec.persistent
-             for p in u.spec.params}
-    users: dict[nn.Module, list[int]] = {}
-    for unit in units:
-        if not unit.spec.persistent:
-            users.setdefault(unit.spec.module, []).append(unit.spec.index)
-    for module in root.modules():
-        used = list(module.parameters(recurse=False))
-        used += getattr(module, "_zerotrain_external_params", [])
-        own = users.get(module, [])
-        for p in used:
-            index = owner.get(id(p))
-            if index is not None and index not in own:
-                own.append(index)
-        if own:
-            users[module] = own
-    return users
-
-
-@contextlib.contextmanager
-def hooks_set_aside(handles: list[Any]) -> Iterator[None]:
-    """Take the hooks of ``handles`` out of their modules for the duration; put every dict
-    back as it was, in its order (``zero3/stage.py``, Note: compiled units)."""
-    saved = []
-    for handle in handles:
-        for ref in (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())):
-            hooks = ref()
-            if hooks is not None and handle.id in hooks:
-                saved.append((hooks, list(hooks.items())))
-                del hooks[handle.id]
-    try:
-        yield
-    finally:
-        for hooks, items in reversed(saved):
-            hooks.clear()
-            hooks.update(items)
-
-
-def _before_forward(scheduler: UnitScheduler, index: int, module: nn.Module,
-                    args: tuple, kwargs: dict) -> None:
-    if not scheduler.enter(index) or not torch.is_grad_enabled():
-        return
-    inputs = [v for v in pytree.tree_leaves((args, kwargs))
-              if isinstance(v, torch.Tensor) and v.requires_grad]
-    if inputs:   # Note: end of a unit's backward (a hook, not a wrapper: inputs stay as
-        # they are, so a forward may still modify them in place)
-        scheduler.expect_inputs_backward(index)
-        torch.autograd.graph.register_multi_grad_hook(
-            inputs, lambda grads: scheduler.inputs_backward_done(index), mode="all")
-
-
-def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args: Any,
-                   output: Any) -> None:
-    if not scheduler.leave(index) or not torch.is_grad_enabled():
-        return
-    fired = []
-
-    def on_grad(grad):
-        if not fired:
-            fired.append(True)
-            scheduler.before_backward(index)
-        return grad
-
-    for tensor in _tensors(output):
-        if not tensor.requires_grad:
-            continue
-        if tensor.grad_fn is not None:
-            # on the node, not the tensor: a node's pre-hooks run after the tensor hooks
-            # that tell the next unit (in forward order) its backward is done, so that
-            # unit is released before this one is gathered
-            tensor.grad_fn.register_prehook(lambda grad_outputs: on_grad(None))
-        else:
-            tensor.register_hook(on_grad)
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside nested tuples, lists, dicts (model outputs) and dataclasses."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            yield from _tensors(getattr(value, name, None))

@@ -36,11 +36,13 @@ from ...offload import Storage
 from ...core.precision import PrecisionPolicy
 from ..base import FROZEN, BucketedStage, CompileTarget, RecordArrivals, ShardRecord
 from . import partition as P
-from .gather_check import STEP
+from ...errors import RankDivergenceError
 from .hierarchical import build_groups
-from .scheduler import (GatherPolicy, UnitScheduler, hooks_set_aside, install_module_hooks,
-                    unit_users)
+from .hooks import hooks_set_aside, install_module_hooks, unit_users
+from .lockstep import mark_lockstep
+from .scheduler import GatherPolicy, UnitScheduler
 from .zero_init import GatheredParameters
+from .plan import use_launch_plans
 from .leaf import apply_leaf_module_config
 from .unit import GroupSlice, Unit, UnitState
 from .unit_specs import build_units
@@ -127,7 +129,8 @@ class PartitionedDataParallel(BucketedStage):
         self._uses = [(f"{self._describe_unit(i)} in forward",
                        f"{self._describe_unit(i)} in backward") for i in range(len(self.units))]
         self._handles = install_module_hooks(module, self.units, self.scheduler)
-        _mark_lockstep(module, True)
+        use_launch_plans(self, reduce_scatter)   # Note "launch plans" in plan.py
+        mark_lockstep(module, True)
         self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))
         for r, (unit, s) in enumerate(self._records):
             for index, i in enumerate(s.indices):
@@ -143,7 +146,7 @@ class PartitionedDataParallel(BucketedStage):
         return f"unit {index} ({kind} {spec.name or '<root>'!r}, {type(spec.module).__name__})"
 
     def _note_use(self, index: int, backward: bool) -> None:
-        """A unit is used (Note "trace and prefetch" in hooks.py): into the step's trail."""
+        """A unit is used (Note "trace and prefetch" in scheduler.py): into the step's trail."""
         self.comm.ledger.trail.note("use", None, self._uses[index][backward])
 
     def _on_grad(self, record: int, index: int, unit: Unit, param: nn.Parameter) -> None:
@@ -164,9 +167,15 @@ class PartitionedDataParallel(BucketedStage):
         """Stage 2's step; on the host its all-reduce goes out after a header, as every
         stage-3 collective does (Note "held reductions" in gather_check.py)."""
         self.buckets.collect()
-        if self._host_checked:
-            self.wire.host.agree(STEP, label="optimizer step")
-        return super().step(grad_scale=grad_scale, clip=clip)
+        if not self._host_checked:
+            return super().step(grad_scale=grad_scale, clip=clip)
+        self.wire.host.before_step(label="optimizer step")
+        try:
+            return super().step(grad_scale=grad_scale, clip=clip)
+        except RankDivergenceError:
+            if self.wire.host.plan is not None:   # the ranks' records differ: no plan
+                self.wire.host.plan.forget()
+            raise
 
     def close(self) -> None:
         """Settle and release offload resources, then hand the module back partitioned, as
@@ -180,7 +189,7 @@ class PartitionedDataParallel(BucketedStage):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        _mark_lockstep(self.module, False)
+        mark_lockstep(self.module, False)
 
     def empty_partition_cache(self) -> None:
         """Release the gathered units nothing holds (DeepSpeed's ``empty_partition_cache``,
@@ -403,24 +412,3 @@ def _device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
-
-
-# transformers runs ``generate()`` (and LayerDrop) in lockstep across ranks, an all-reduce
-# deciding when every rank is done (``synced_gpus``), for modules it sees as sharded: those
-# carrying FSDP2's attribute. Without it, a rank whose sequences end first leaves the loop
-# and its peers' remaining gathers pair with whatever collective it calls next.
-_LOCKSTEP_FLAG = "_is_fsdp_managed_module"
-
-
-def _mark_lockstep(module: nn.Module, on: bool) -> None:
-    """Set (or remove) transformers' "sharded: run generate() in lockstep" flag on each
-    module that has a ``generate`` method (``module`` or an inner model). Only there:
-    torch.compile treats a module carrying the flag as FSDP's, and stage 3 compiles blocks,
-    which never have ``generate``."""
-    for m in module.modules():
-        if not callable(getattr(type(m), "generate", None)):
-            continue
-        if on:
-            m.__dict__[_LOCKSTEP_FLAG] = True
-        else:
-            m.__dict__.pop(_LOCKSTEP_FLAG, None)

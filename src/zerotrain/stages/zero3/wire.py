@@ -151,6 +151,7 @@ class UnitWire:
     def __init__(self, comm: Communicator, *, quantized: bool = False) -> None:
         self.comm = comm
         self._quantized = QuantizedAllGather(comm) if quantized else None
+        self.quantized = quantized
         self.check = GatherCheck(enabled=comm.carries_data)   # Note "gather check" there
         self.host = HostLaunches(comm, self.check)   # Note "held reductions" there
 
@@ -175,6 +176,19 @@ class UnitWire:
                     parts.extend(start_checked(self.comm, self.check, unit.spec.index, shard,
                                                outputs, inputs, label=label, host=self.host))
         return self._with_frozen(parts, unit, label)
+
+    def decoy(self, unit, *, label: str) -> None:
+        """The all-gathers of ``unit``'s plain gather, into scratch buffers, waited for: what
+        a rank that left the cycle's plan sends (Note "launch plans" in ``plan.py``)."""
+        if not unit.shard_numel:
+            return
+        shard, launch = unit.shard_on_device()
+        with _after_compute(launch, unit.device):
+            scratch = [torch.empty(n, dtype=shard.dtype, device=unit.device)
+                       for n in unit._segment_numels()]
+            outputs, inputs = gather_pieces(unit.slices, scratch, shard, self.comm.world_size)
+            if outputs:
+                self.comm.all_gather_into_many(outputs, inputs, label=label).wait()
 
     def _with_frozen(self, parts: list, unit, label: str) -> Gatherings:
         """Add the gather of the unit's int8 frozen chunks, from the primary partition."""

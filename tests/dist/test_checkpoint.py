@@ -359,6 +359,8 @@ def _error_job(rank, world, root):
     out["client"] = _expect_error(lambda: engine.save_checkpoint(
         good, tag="bad", client_state={"meta": {"t": object()}}))
     out["no_tag"] = _expect_error(lambda: engine.load_checkpoint(good, tag="global_step9"))
+    out["split_dir"] = _expect_error(lambda: engine.save_checkpoint(   # each rank its own dir
+        os.path.join(root, f"exp{rank}")))
     out["no_dir"] = engine.load_checkpoint(os.path.join(root, "absent"))
     out["no_pickle"] = _load_without_pickle(good)
     out["alive"] = zerotrain.initialize(model=R.make_model(), config=R.engine_config(
@@ -397,6 +399,8 @@ def test_bad_checkpoints_raise_named_errors_on_every_rank(worlds, tmp_path):
         assert "'hidden.weight'" in out["wider"] and "(30, 13)" in out["wider"], out["wider"]
         assert "'frozen'" in out["extra"], out["extra"]
         assert "client_state['meta']['t']" in out["client"], out["client"]
+        assert "disagree on the checkpoint directory" in out["split_dir"], out["split_dir"]
+        assert "exp0" in out["split_dir"] and "rank 1 has" in out["split_dir"], out["split_dir"]
         assert "torch tensors" in out["client"], out["client"]  # lists what is supported
         assert "global_step9" in out["no_tag"], out["no_tag"]
         assert out["no_dir"] == (None, None)

@@ -72,7 +72,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     tag = f"global_step{state.counters['global_steps']}" if tag is None else tag
     records = state.stage.shard_records() + state.stage.frozen_records()
     local: dict[str, Any] = {"tag": tag, "error": None, "nonce": None, "records": [],
-                             "save_dir": os.path.realpath(save_dir)}
+                             "save_dir": os.path.normpath(os.fspath(save_dir))}
     small: dict = {}
     client_tensors: dict[str, torch.Tensor] = {}
     module_part: tuple = ({}, [], [])
@@ -194,7 +194,8 @@ def _raise_first(everyone: list[dict]) -> None:
                                   f"{everyone[0]['tag']!r}, rank {rank} has {other['tag']!r}")
         if other["save_dir"] != everyone[0]["save_dir"]:
             # rank 0 creates the save's directory: a rank naming another would write into
-            # nothing (a name built from each rank's clock or random draw differs this way)
+            # nothing (a name built from each rank's clock or random draw differs this way).
+            # The path as given, not resolved: nodes may mount one name on different disks.
             raise CheckpointError(f"ranks disagree on the checkpoint directory: rank 0 has "
                                   f"{everyone[0]['save_dir']!r}, rank {rank} has "
                                   f"{other['save_dir']!r}; every rank must pass the same "

@@ -6,7 +6,9 @@ Writes the gathered losses and the final weights' sums to ``--out`` on the main 
     script.py --stage 2|3 --out result.json [--plain]
 """
 import argparse
+import gc
 import json
+import time
 
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
@@ -49,6 +51,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "processes": accelerator.num_processes,
                        "weights": {k: v.float().sum().item() for k, v in state.items()}}, f)
+    if torch.distributed.is_initialized():   # plain torch on gloo can abort at exit otherwise:
+        torch.distributed.destroy_process_group()   # let its threads finish first
+    gc.collect()
+    time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ After training it saves the model with ``save_model`` (the caller reloads it).
 Writes ``{"losses", "eval_loss", "train_loss"}`` to ``--out`` on rank 0.
 """
 import dataclasses
+import gc
 import json
+import time
 
 import torch
 from transformers import (AutoModelForCausalLM, GPT2Config, HfArgumentParser, MixtralConfig,
@@ -59,6 +61,20 @@ def main() -> None:
                        result.training_loss, "leaves": sorted(
                            {type(m).__name__ for m in model.modules()
                             if getattr(m, "_z3_leaf", False)})}, f)   # DeepSpeed's flag
+    _end()
+
+
+def _end() -> None:
+    """Destroy the process group and let gloo's threads finish before the interpreter exits.
+
+    Plain torch on gloo sometimes aborts at exit otherwise ("terminate called without an
+    active exception"): a gloo worker thread releases finished work while Python tears down.
+    zerotrain does this itself at exit; the plain run this script also serves does not.
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
+    time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -70,3 +70,8 @@ class CheckpointError(ZeroTrainError, RuntimeError):
 class RankDivergenceError(RankMismatchError):
     """Ranks took different paths through the model (different units gathered, or different
     collectives in a step); raised on every rank at once, naming where each rank was."""
+
+
+class TilingError(ZeroTrainError, ValueError, RuntimeError):
+    """A ``TiledLinear`` that cannot be built or fed: a split count out of range, an input
+    or a source layer of the wrong shape. A ``RuntimeError`` too, as DeepSpeed raises."""

@@ -6,6 +6,7 @@ the same user code runs at every stage.
 from ..stages.zero3.zero_init import GatheredParameters, Init, register_external_parameter
 from ..stages.zero3.partition import ZeroParamStatus
 from .generation import unwrap_model_for_generation
+from .tiling import TiledLinear, TiledLinearReturnBias
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
-           "unwrap_model_for_generation"]
+__all__ = ["GatheredParameters", "Init", "TiledLinear", "TiledLinearReturnBias",
+           "ZeroParamStatus", "register_external_parameter", "unwrap_model_for_generation"]

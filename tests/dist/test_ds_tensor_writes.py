@@ -20,70 +20,76 @@ def _write(param, form, value):
         param.ds_tensor.copy_(torch.full_like(param.ds_tensor, value))
 
 
-def _gathered_in_forward(engine, module, x, y):
-    """The weight ``module`` sees in a forward (its unit's gather)."""
-    seen = {}
-
-    def keep(m, args):
-        seen["w"] = m.weight.detach().float().clone()
-
-    handle = module.register_forward_pre_hook(keep)   # after the stage's, which gathers
+def _gathered_in_forward(engine, modules, x, y):
+    """The weight each of ``modules`` sees in a forward (its unit's gather)."""
+    seen, handles = {}, []
+    for name, module in modules.items():
+        def keep(m, args, name=name):
+            seen[name] = m.weight.detach().float().clone()
+        handles.append(module.register_forward_pre_hook(keep))   # after the stage's gather
     engine(x, y)
-    handle.remove()
-    return seen["w"]
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def _value(form, rank):
+    return 0.5 * (rank + 1) + WRITES.index(form)
 
 
 def _writes(rank, world):
     import zerotrain
     out = {}
     for precision in ("fp32", "bf16"):
-        for form in WRITES:
-            model = R.make_model()
-            config = R.engine_config(stage=3, lr=0.0, precision=precision)
-            engine, *_ = zerotrain.initialize(model=model, config=config)
-            weight = model.hidden.weight                       # 29 x 13: 377 elements
-            value = 0.5 * (rank + 1)
-            _write(weight, form, value)
-            x, y = R.micro_batch(0, rank, 0)
-            seen = _gathered_in_forward(engine, model.hidden, x, y)
-            engine.settle()                                    # the master takes it
-            master = weight.ds_master.clone()
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()                                      # lr 0: the value stays
-            after = _gathered_in_forward(engine, model.hidden, x, y)
-            out[(precision, form)] = (seen, master, after, weight.ds_tensor.numel())
-            engine.destroy()
-    model = R.make_model()
-    engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=3))
-    for bad in (torch.zeros(3), torch.zeros_like(model.hidden.weight.ds_tensor,
-                                                  dtype=torch.float64)):
-        try:
-            model.hidden.weight.ds_tensor.data = bad
-            out[str(bad.dtype) + str(bad.numel())] = "no error"
-        except ValueError as exc:
-            out[str(bad.dtype) + str(bad.numel())] = str(exc)
-    engine.destroy()
+        model = R.make_model()
+        config = R.engine_config(stage=3, lr=0.0, precision=precision)
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        # one form each; inp and hidden are units of their own, out is in the root's
+        modules = dict(zip(WRITES, (model.inp, model.hidden, model.out)))
+        for form, module in modules.items():
+            _write(module.weight, form, _value(form, rank))
+        x, y = R.micro_batch(0, rank, 0)
+        seen = _gathered_in_forward(engine, modules, x, y)
+        engine.settle()                                    # the masters take them
+        masters = {f: m.weight.ds_master.clone() for f, m in modules.items()}
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()                                      # lr 0: the values stay
+        after = _gathered_in_forward(engine, modules, x, y)
+        out[precision] = (seen, masters, after)
+        bad = {}
+        for wrong in (torch.zeros(3), torch.zeros_like(model.hidden.weight.ds_tensor,
+                                                        dtype=torch.float64)):
+            try:
+                model.hidden.weight.ds_tensor.data = wrong
+                bad[str(wrong.dtype) + str(wrong.numel())] = "no error"
+            except ValueError as exc:
+                bad[str(wrong.dtype) + str(wrong.numel())] = str(exc)
+        out[precision + " bad"] = bad
+        engine.destroy()
     return out
 
 
 @pytest.mark.slow
 def test_writes_through_ds_tensor_reach_the_gather_and_the_master(worlds):
-    chunk = -(-29 * 13 // 2)
-    expected = torch.cat([torch.full((chunk,), 0.5), torch.full((29 * 13 - chunk,), 1.0)])
-    expected = expected.view(29, 13)
-    for rank, out in enumerate(worlds.run(2, _writes)):
+    results = worlds.run(2, _writes)
+    for rank, out in enumerate(results):
         for precision in ("fp32", "bf16"):
+            seen, masters, after = out[precision]
             for form in WRITES:
-                seen, master, after, numel = out[(precision, form)]
-                assert numel == chunk
-                assert torch.equal(seen, expected), (precision, form)
-                assert torch.equal(master, torch.full((chunk,), 0.5 * (rank + 1))), \
+                shape = seen[form].shape
+                numel = shape.numel()
+                chunk = -(-numel // 2)
+                expected = torch.cat([torch.full((chunk,), _value(form, 0)),
+                                      torch.full((numel - chunk,), _value(form, 1))])
+                assert torch.equal(seen[form], expected.view(shape)), (precision, form)
+                assert torch.equal(masters[form], torch.full((chunk,), _value(form, rank))), \
                     (precision, form)
-                assert torch.equal(after, expected), (precision, form)   # kept by the step
-        assert "'hidden.weight'" in out["torch.float323"]
-        assert "189 elements" in out["torch.float323"]
-        assert "torch.float64" in out["torch.float64189"]
+                assert torch.equal(after[form], expected.view(shape)), (precision, form)
+            bad = out[precision + " bad"]
+            assert "'hidden.weight'" in bad["torch.float323"]
+            assert "189 elements" in bad["torch.float323"]   # ceil(29 * 13 / 2)
+            assert "torch.float64" in bad["torch.float64189"]
 
 
 def _direct_steps(rank, world, stage, precision, direct, backwards, zero_grad):
@@ -132,6 +138,9 @@ def _refusals(rank, world):
         backward = lambda: engine.backward(engine(*batch))   # noqa: E731
         attempt((stage, "mid window"), backward, optimizer.step)
         engine.zero_grad()
+        if stage == 3:   # not at a boundary: engine.step() would only count a micro step
+            attempt((stage, "twice mid window"), backward, optimizer.step, engine.step)
+            engine.zero_grad()
         attempt((stage, "counted window"), backward, engine.step, backward, optimizer.step)
         engine.zero_grad()
         engine.set_gradient_accumulation_boundary(True)
@@ -187,6 +196,7 @@ def test_optimizer_step_after_backwards_equals_engine_step_bitwise(worlds):
             assert "middle of an accumulation window" in refusals[(stage, "counted window")]
         assert "does not end the accumulation window" in refusals[(1, "mid window")]
         assert refusals[(3, "mid window")] == "no error"   # stage 3 reduces every backward
+        assert "optimizer.step() already took" in refusals[(3, "twice mid window")]
         # backwards without a step accumulate; optimizer.zero_grad() starts the next afresh
         first = seen[0][0]
         assert set(seen[0]) == {0} and set(first) == set(range(8))   # TinyNet: 8 tensors

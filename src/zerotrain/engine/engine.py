@@ -178,6 +178,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         if self._coalescing:
             raise StateError("engine.step() inside coalesce_grad_reduction() (a no_sync "
                              "block): leave the block first, its exit reduces the gradients")
+        if self._updated_by == "optimizer.step()" and not self._backward_in_window:
+            raise StateError("engine.step() after optimizer.step() with no backward between: "
+                             "optimizer.step() already took this window's update; call one "
+                             "of engine.step() and optimizer.step() per window, not both")
         with self._timers.time("step"):
             try:
                 if self.is_gradient_accumulation_boundary():

@@ -27,8 +27,10 @@ Note: writes through ds_tensor
     * ``ds_tensor.data = t`` rebinds the view to ``t``, as for any tensor: the setter
       checks ``t`` (the chunk's numel and dtype, or a ``ValueError`` naming the parameter)
       and the unit copies ``t`` into the shard and points ``ds_tensor`` back at its chunk
-      before its next gather (``Unit.take_rebinds``), so later writes reach the shard
+      before its next gather (``Unit.take_rebinds``, which looks only at units whose
+      ``ds_tensor`` had its ``.data`` assigned since), so later writes reach the shard
       again. ``t`` itself is not kept: writes to it after that do not reach the parameter.
+      Assigning the attribute itself (``param.ds_tensor = t``) is not seen.
 
     Each reaches the unit's next gather. The fp32 master takes the written chunk before
     the next optimizer step, checkpoint save or ``eval()`` (``Unit.take_shard_writes``,
@@ -51,7 +53,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -86,6 +88,7 @@ class ChunkTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
     ds_param_name = "<unnamed>"
+    ds_on_rebind: Optional[Callable[[], None]] = None   # the unit's: look at me before use
 
     @property
     def data(self) -> torch.Tensor:
@@ -96,12 +99,17 @@ class ChunkTensor(torch.Tensor):
     def data(self, value: torch.Tensor) -> None:
         check_chunk(value, numel=self.numel(), dtype=self.dtype, name=self.ds_param_name)
         _DATA.__set__(self, value)
+        if self.ds_on_rebind is not None:
+            self.ds_on_rebind()
 
 
-def chunk_view(chunk: torch.Tensor, name: str) -> ChunkTensor:
-    """``chunk`` (a view of a unit's shard) as the ``ds_tensor`` of parameter ``name``."""
+def chunk_view(chunk: torch.Tensor, name: str,
+               on_rebind: Optional[Callable[[], None]] = None) -> ChunkTensor:
+    """``chunk`` (a view of a unit's shard) as the ``ds_tensor`` of parameter ``name``;
+    ``on_rebind`` is called after each assignment to its ``.data``."""
     view = chunk.as_subclass(ChunkTensor)
     view.ds_param_name = name
+    view.ds_on_rebind = on_rebind
     return view
 
 
@@ -132,7 +140,7 @@ def take_rebinding(param: nn.Parameter, own: torch.Tensor, name: str) -> bool:
     if isinstance(current, ChunkTensor):
         _DATA.__set__(current, own)   # the object scripts hold stays the parameter's
     else:
-        param.ds_tensor = chunk_view(own, name)
+        param.ds_tensor = chunk_view(own, name, getattr(current, "ds_on_rebind", None))
     return True
 
 

@@ -181,7 +181,7 @@ class Unit:
                 p = self.spec.params[i]
                 p.ds_tensor = P.chunk_view(   # Note "writes through ds_tensor" in partition.py
                     self.shard[s.column + where.start: s.column + where.stop],
-                    self.spec.names[i])
+                    self.spec.names[i], self._note_rebind)
                 p.ds_master = self.master[s.column + where.start: s.column + where.stop]
                 p.ds_unit = self
         if self.frozen is not None:   # DeepSpeed's ds_tensor is the int8 chunk here too
@@ -191,6 +191,11 @@ class Unit:
                 p.ds_master = None
                 p.ds_unit = self
         self._shard_version = self.shard._version   # the shard follows the master now
+        self._rebound = False   # a ds_tensor's .data was assigned since take_rebinds
+        # (parameter index, offset in the shard, numel) of each ds_tensor viewing the shard
+        self._chunks = [(i, s.column + where.start, where.stop - where.start)
+                        for s in self.slices for slot, i in zip(s.layout.slots, s.indices)
+                        for where in (s.layout.shard_slice(slot),)]
 
     def frozen_index(self, p: torch.Tensor) -> Optional[int]:
         """``p``'s position in the quantized frozen slice, or None when it has a shard."""
@@ -317,15 +322,26 @@ class Unit:
         self._shard_version = self.shard._version
 
     # ------------------------------------------------------------------ ds_tensor writes
+    def _note_rebind(self) -> None:
+        """A ``ds_tensor`` of this unit had its ``.data`` assigned (by a script, or by
+        ``offload_states`` moving the shard): look at them before the next use."""
+        self._rebound = True
+
     def take_rebinds(self) -> bool:
         """Copy each rebound ``ds_tensor`` into the shard and point it back at its chunk;
         True if any was (Note "writes through ds_tensor" in partition.py). Local."""
-        taken = False
-        for s in self.slices:
-            for slot, i in zip(s.layout.slots, s.indices):
-                where = s.layout.shard_slice(slot)
-                own = self.shard[s.column + where.start: s.column + where.stop]
-                taken |= P.take_rebinding(self.spec.params[i], own, self.spec.names[i])
+        if not self._rebound:
+            return False
+        self._rebound = False
+        taken, base = False, self.shard.data_ptr()
+        size = self.shard.element_size()
+        for i, start, numel in self._chunks:
+            current = self.spec.params[i].ds_tensor
+            if (type(current) is P.ChunkTensor and current.numel() == numel
+                    and (numel == 0 or current.data_ptr() == base + start * size)):
+                continue   # still this chunk of the shard (the cheap check, every gather)
+            own = self.shard[start: start + numel]
+            taken |= P.take_rebinding(self.spec.params[i], own, self.spec.names[i])
         return taken
 
     def shard_written(self) -> bool:

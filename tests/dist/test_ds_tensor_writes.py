@@ -142,6 +142,7 @@ def _refusals(rank, world):
             attempt((stage, "twice mid window"), backward, optimizer.step, engine.step)
             engine.zero_grad()
         attempt((stage, "counted window"), backward, engine.step, backward, optimizer.step)
+        attempt((stage, "zero_grad mid window"), optimizer.zero_grad)
         engine.zero_grad()
         engine.set_gradient_accumulation_boundary(True)
         attempt((stage, "twice"), backward, optimizer.step, engine.step)
@@ -195,6 +196,7 @@ def test_optimizer_step_after_backwards_equals_engine_step_bitwise(worlds):
             assert "optimizer.step() already took" in refusals[(stage, "twice")]
             assert "middle of an accumulation window" in refusals[(stage, "counted window")]
         assert "does not end the accumulation window" in refusals[(1, "mid window")]
+        assert "would drop the gradients of its first 1" in refusals[(1, "zero_grad mid window")]
         assert refusals[(3, "mid window")] == "no error"   # stage 3 reduces every backward
         assert "optimizer.step() already took" in refusals[(3, "twice mid window")]
         # backwards without a step accumulate; optimizer.zero_grad() starts the next afresh

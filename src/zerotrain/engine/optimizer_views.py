@@ -30,7 +30,9 @@ Note: optimizer.step() without engine.step()
     (the ones accumulated so far are dropped when it begins, ``engine.zero_grad()``),
     while a step taken before that backward still uses them, as DeepSpeed's stage 3 does
     (its zero_grad resets the micro-step count that makes the next reduction overwrite
-    rather than add; its reduced partitions stay for the step).
+    rather than add; its reduced partitions stay for the step). In the middle of a window
+    that ``engine.step()`` is counting it is refused: a loop that zeroes before every
+    micro-batch would train on the window's last micro-batch alone.
 """
 from __future__ import annotations
 
@@ -102,8 +104,20 @@ class OptimizerViews:
 
     def zero_grad(self) -> None:
         """The next backward drops the gradients accumulated since the last update before
-        adding its own (Note: optimizer.step() without engine.step())."""
-        self.engine()._drop_grads_at_backward = True
+        adding its own (Note: optimizer.step() without engine.step()). Refused in the
+        middle of a window ``engine.step()`` is counting, where it would drop that window's
+        first micro-steps (a loop that zeroes before every micro-batch)."""
+        engine = self.engine()
+        steps = engine.gradient_accumulation_steps()
+        if (engine._boundary_override is None and engine.micro_steps % steps
+                and engine._backward_in_window):
+            raise StateError(
+                f"optimizer.zero_grad() at micro step {engine.micro_steps % steps + 1} of "
+                f"{steps} of an accumulation window would drop the gradients of its first "
+                f"{engine.micro_steps % steps} micro-step(s) (DeepSpeed drops them too); "
+                "engine.step() clears the gradients after each update: remove the call, or "
+                "call engine.zero_grad() to drop them on purpose")
+        engine._drop_grads_at_backward = True
 
     def step(self) -> None:
         """The engine's update without ``engine.step()`` (Note: optimizer.step() without

@@ -191,12 +191,27 @@ class ZeroOptimizer:
     def state(self):
         return self.optimizer.state
 
+    def get_fp32_grad_partitions(self) -> dict:
+        """{group index: {parameter index: this rank's fp32 gradient chunk}} (DeepSpeed's)."""
+        return self._view("get_fp32_grad_partitions")
+
     def step(self, closure=None) -> None:
-        raise StateError("the optimizer is stepped by engine.step(), which reduces the "
-                         "gradients first; call engine.step() instead of optimizer.step()")
+        """The engine's update, as DeepSpeed's ZeRO optimizer steps (engine/optimizer_views.py,
+        Note "optimizer.step() without engine.step()"); ``engine.step()`` does the same and
+        also advances the LR scheduler and the step counters."""
+        if closure is not None:
+            raise StateError("optimizer.step(closure): a closure is not supported (as in "
+                             "DeepSpeed); run engine.backward(loss) first")
+        if self.views is None:
+            raise StateError("the optimizer is stepped by engine.step(), which reduces the "
+                             "gradients first; call engine.step() instead of optimizer.step()")
+        self.views.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients are cleared by the engine after each applied step; nothing to do."""
+        """The next backward starts the gradients afresh, as with DeepSpeed's ZeRO optimizer
+        (a step before it still uses them); after an update there are none."""
+        if self.views is not None:
+            self.views.zero_grad()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

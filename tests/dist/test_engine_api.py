@@ -170,7 +170,7 @@ def _errors(rank, world):
 def test_misuse_is_a_clear_error_on_every_rank(worlds):
     for res in worlds.run(2, _errors):
         assert "without any engine.backward" in res["step_without_backward"]
-        assert "call engine.step()" in res["optimizer_step"]
+        assert "without any engine.backward" in res["optimizer_step"]
         assert "zero_optimisation" in res["misspelt"] and "zero_optimization" in res["misspelt"]
 
 

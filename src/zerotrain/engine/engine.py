@@ -83,6 +83,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._last_outcome: Optional[StepOutcome] = None
         self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
+        self._updated_by: Optional[str] = None   # which call took the last update
+        self._drop_grads_at_backward = False   # optimizer.zero_grad() (optimizer_views.py)
         self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
         self._local_backwards = 0          # no_sync backwards no reduction has taken yet
         self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue)
@@ -149,6 +151,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
         accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
         moved_states.refuse_while_away(self._moved, "backward()")
+        if self._drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
+            self.zero_grad()
         self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
                                   local=self.inside_no_sync_ctxt)
         return 1.0 / self.gradient_accumulation_steps()
@@ -162,6 +166,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         """After every gradient of the backward has arrived."""
         self.stage.finish_backward()
         self._backward_in_window = True
+        self._updated_by = None
         local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
         if local or boundary:   # a boundary backward outside no_sync reduces them all
             self._local_backwards = self._local_backwards + 1 if local else 0
@@ -173,6 +178,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         if self._coalescing:
             raise StateError("engine.step() inside coalesce_grad_reduction() (a no_sync "
                              "block): leave the block first, its exit reduces the gradients")
+        if self._updated_by == "optimizer.step()" and not self._backward_in_window:
+            raise StateError("engine.step() after optimizer.step() with no backward between: "
+                             "optimizer.step() already took this window's update; call one "
+                             "of engine.step() and optimizer.step() per window, not both")
         with self._timers.time("step"):
             try:
                 if self.is_gradient_accumulation_boundary():
@@ -200,23 +209,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
-        if not self._backward_in_window:
-            raise StateError("engine.step() reached an accumulation boundary without any "
-                             "engine.backward(loss) or loss.backward() since the last update")
-        if self.inside_no_sync_ctxt or self._local_backwards:
-            where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
-                     f"after {self._local_backwards} backward(s) inside engine.no_sync() "
-                     "and none outside it")
-            raise StateError(f"engine.step() at an accumulation boundary {where}: this "
-                             "window's gradients were not reduced over ranks, so the update "
-                             "would use this rank's alone; run the window's last backward "
-                             "outside no_sync, then step")
-        self.settle(before_step=True)
-        outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
-                                  clip=self.config.gradient_clipping)
-        self._last_outcome = outcome
-        self._backward_in_window = False
-        self.loss_scaler.update(overflow=not outcome.applied)
+        outcome = self._update("engine.step()")
         if outcome.applied:
             if self.lr_scheduler is not None:
                 if self.stage.delays_update:  # the update still reads the current lr
@@ -230,6 +223,35 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             self._log_progress()
         if error is not None:
             raise error
+
+    def _update(self, call: str) -> StepOutcome:
+        """The optimizer's part of a step, as DeepSpeed's ZeRO optimizer's ``step()`` does
+        it: reduce what is left, unscale and clip, check overflow, update, clear the
+        gradients, adjust the fp16 loss scale. ``engine.step()`` at a boundary and a
+        direct ``optimizer.step()`` (engine/optimizer_views.py) both run it."""
+        if not self._backward_in_window:
+            taken = (f"; {self._updated_by} already took this window's update: call one of "
+                     "engine.step() and optimizer.step() per window, not both"
+                     if self._updated_by not in (None, call) else "")
+            raise StateError(f"{call} reached an accumulation boundary without any "
+                             "engine.backward(loss) or loss.backward() since the last "
+                             f"update{taken}")
+        if self.inside_no_sync_ctxt or self._local_backwards:
+            where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
+                     f"after {self._local_backwards} backward(s) inside engine.no_sync() "
+                     "and none outside it")
+            raise StateError(f"{call} at an accumulation boundary {where}: this "
+                             "window's gradients were not reduced over ranks, so the update "
+                             "would use this rank's alone; run the window's last backward "
+                             "outside no_sync, then step")
+        self.settle(before_step=True)
+        outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
+                                  clip=self.config.gradient_clipping)
+        self._last_outcome = outcome
+        self._backward_in_window = False
+        self._updated_by = call
+        self.loss_scaler.update(overflow=not outcome.applied)
+        return outcome
 
     def settle(self, *, before_step: bool = False) -> None:
         """With ``offload_optimizer.dpu``, wait for the update running on the host, publish
@@ -297,6 +319,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.stage.zero_grad()
         self._backward_in_window = False
         self._local_backwards = 0
+        self._drop_grads_at_backward = False
 
     def _resume_after_load(self, counters: Optional[dict]) -> None:
         """After a checkpoint load: its counters, and a fresh accumulation window."""

@@ -8,7 +8,31 @@ the engine's stage. :class:`OptimizerViews` answers in DeepSpeed's shapes from t
 shard records; the engine's optimizer (``optim.ZeroOptimizer``) holds one and delegates.
 
 Each is a read: new tensors (the gradients) or the live objects (parameters, masters,
-hook handles), nothing the step depends on is copied back.
+hook handles), nothing the step depends on is copied back. Two are actions, DeepSpeed's
+ZeRO optimizer's own: ``zero_grad`` and ``step``.
+
+Note: optimizer.step() without engine.step()
+    DeepSpeed's tests (and some loops) call ``engine.backward(loss)`` one or more times and
+    then ``optimizer.step()``, never ``engine.step()``. The optimizer's step is the
+    engine's update (``ZeroEngine._update``, the same code ``engine.step()`` runs at a
+    boundary: reduce what is left, unscale and clip, overflow check, update, clear the
+    gradients, fp16 loss scale), so the weights equal ``engine.step()``'s bit for bit; like
+    DeepSpeed's it leaves the LR scheduler, ``global_steps`` and the micro-step count
+    alone. Backwards without a step accumulate, each divided by
+    ``gradient_accumulation_steps``, as DeepSpeed's do. It is refused, naming why, where
+    it would train on the wrong gradients: before any backward since the last update, when
+    the stage reduces only at the accumulation boundary (stages 0-1) and the last backward
+    was not one, in the middle of a window ``engine.step()`` has been counting (the window
+    would end early), inside ``no_sync``, and a second update in one window
+    (``engine.step()`` after ``optimizer.step()``, or the reverse).
+
+    ``optimizer.zero_grad()`` is DeepSpeed's: the next backward starts the gradients afresh
+    (the ones accumulated so far are dropped when it begins, ``engine.zero_grad()``),
+    while a step taken before that backward still uses them, as DeepSpeed's stage 3 does
+    (its zero_grad resets the micro-step count that makes the next reduction overwrite
+    rather than add; its reduced partitions stay for the step). In the middle of a window
+    that ``engine.step()`` is counting it is refused: a loop that zeroes before every
+    micro-batch would train on the window's last micro-batch alone.
 """
 from __future__ import annotations
 
@@ -18,6 +42,7 @@ from typing import Any
 import torch
 
 from ..errors import StateError
+from ..offload import states as moved_states
 from ..utils import averaged_gradients_by_group, safe_get_full_grad
 
 
@@ -69,3 +94,61 @@ class OptimizerViews:
         ``unwrap_model_for_generation``)."""
         handles = getattr(self.engine().stage, "forward_hook_handles", None)
         return handles() if handles is not None else []
+
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """DeepSpeed's stage-3 ``{group index: {parameter index: fp32 chunk}}``: this rank's
+        chunk of each trained parameter's averaged gradient (:meth:`averaged_gradients`,
+        zero-padded to the chunk size; unscaled, where DeepSpeed's still carries the fp16
+        loss scale), parameters numbered in the module's order within their group."""
+        return {g: dict(enumerate(chunks)) for g, chunks in self.averaged_gradients().items()}
+
+    def zero_grad(self) -> None:
+        """The next backward drops the gradients accumulated since the last update before
+        adding its own (Note: optimizer.step() without engine.step()). Refused in the
+        middle of a window ``engine.step()`` is counting, where it would drop that window's
+        first micro-steps (a loop that zeroes before every micro-batch)."""
+        engine = self.engine()
+        steps = engine.gradient_accumulation_steps()
+        if (engine._boundary_override is None and engine.micro_steps % steps
+                and engine._backward_in_window):
+            raise StateError(
+                f"optimizer.zero_grad() at micro step {engine.micro_steps % steps + 1} of "
+                f"{steps} of an accumulation window would drop the gradients of its first "
+                f"{engine.micro_steps % steps} micro-step(s) (DeepSpeed drops them too); "
+                "engine.step() clears the gradients after each update: remove the call, or "
+                "call engine.zero_grad() to drop them on purpose")
+        engine._drop_grads_at_backward = True
+
+    def step(self) -> None:
+        """The engine's update without ``engine.step()`` (Note: optimizer.step() without
+        engine.step()). Collective, as ``engine.step()``."""
+        engine = self.engine()
+        call = "optimizer.step()"
+        engine._refuse_without_optimizer(call)
+        moved_states.refuse_while_away(engine._moved, call)
+        if engine._coalescing:
+            raise StateError(f"{call} inside coalesce_grad_reduction() (a no_sync block): "
+                             "leave the block first, its exit reduces the gradients")
+        steps = engine.gradient_accumulation_steps()
+        if not engine._backward_in_window:   # nothing to step: _update names it
+            engine._update(call)
+        if engine._boundary_override is None and engine.micro_steps % steps:
+            raise StateError(
+                f"{call} in the middle of an accumulation window that engine.step() is "
+                f"counting (micro step {engine.micro_steps % steps + 1} of {steps}): the "
+                "window would end early; finish it with engine.step(), or use "
+                "optimizer.step() without engine.step()")
+        if not (engine.stage.reduces_every_micro_step
+                or engine.is_gradient_accumulation_boundary()):
+            raise StateError(
+                f"{call} after a backward that does not end the accumulation window "
+                f"(gradient_accumulation_steps {steps}): at ZeRO stage "
+                f"{engine.zero_optimization_stage()} gradients are reduced over ranks only "
+                "at its end, so the update would use this rank's alone; call "
+                "engine.step() after each backward, or "
+                "engine.set_gradient_accumulation_boundary(True) before the last one")
+        outcome = engine._update(call)
+        if not outcome.applied:
+            error = engine._skip(outcome)
+            if error is not None:
+                raise error

@@ -177,6 +177,25 @@ class PartitionedDataParallel(BucketedStage):
                 self.wire.host.plan.forget()
             raise
 
+    def settle(self, *, before_step: bool = False) -> None:
+        """The base's settle (a delayed update joined and published), then the masters take what was written through ``ds_tensor``
+        since the shards last followed them (Note "writes through ds_tensor" in
+        partition.py): before each step, checkpoint save and ``eval()``. Local."""
+        if not before_step:
+            self.updater.retract()
+        written = [u.spec.name or "<root>" for u in self.units if u.shard_written()]
+        if self.updater.settle():   # a delayed update (dpu) was running: publish it
+            if written:
+                logger.warning("ds_tensor of unit(s) %s written while the delayed update "
+                               "(offload_optimizer.dpu) ran: publishing the update rewrites "
+                               "them from the masters", written)
+            self.publish_parameters()
+        written = [u for u in self.units if u.shard_written()]
+        if written:
+            self.updater.retract()   # a speculative step read the masters before the write
+            for unit in written:
+                unit.take_shard_writes()
+
     def close(self) -> None:
         """Settle and release offload resources, then hand the module back partitioned, as
         after zero.Init: every unit released (persistent ones too) and every hook removed,

@@ -179,7 +179,9 @@ class Unit:
             for slot, i in zip(s.layout.slots, s.indices):
                 where = s.layout.shard_slice(slot)
                 p = self.spec.params[i]
-                p.ds_tensor = self.shard[s.column + where.start: s.column + where.stop]
+                p.ds_tensor = P.chunk_view(   # Note "writes through ds_tensor" in partition.py
+                    self.shard[s.column + where.start: s.column + where.stop],
+                    self.spec.names[i], self._note_rebind)
                 p.ds_master = self.master[s.column + where.start: s.column + where.stop]
                 p.ds_unit = self
         if self.frozen is not None:   # DeepSpeed's ds_tensor is the int8 chunk here too
@@ -188,6 +190,12 @@ class Unit:
                 p.ds_tensor = self.frozen.row(k)
                 p.ds_master = None
                 p.ds_unit = self
+        self._shard_version = self.shard._version   # the shard follows the master now
+        self._rebound = False   # a ds_tensor's .data was assigned since take_rebinds
+        # (parameter index, offset in the shard, numel) of each ds_tensor viewing the shard
+        self._chunks = [(i, s.column + where.start, where.stop - where.start)
+                        for s in self.slices for slot, i in zip(s.layout.slots, s.indices)
+                        for where in (s.layout.shard_slice(slot),)]
 
     def frozen_index(self, p: torch.Tensor) -> Optional[int]:
         """``p``'s position in the quantized frozen slice, or None when it has a shard."""
@@ -231,6 +239,7 @@ class Unit:
         if not self.spec.params:  # a unit that only gathers its dependencies
             self.state = UnitState.GATHERED
             return
+        self.take_rebinds()   # a rebound ds_tensor is this gather's value
         self._alloc_full()   # the gather writes into it (Note: freed storage)
         try:
             self._pending = self.wire.start(self, label=f"unit {self.spec.name or '<root>'}")
@@ -304,11 +313,56 @@ class Unit:
         ``master`` (its fp32 values, wherever they are resident)."""
         if self.shard is not self.master:
             self.shard[s.column: s.column + s.layout.shard_numel].copy_(master)
-        self.wire.shards_changed(self)
+        self.shards_changed()
 
     def shards_changed(self) -> None:
-        """The shards were written outside an optimizer step (``GatheredParameters``)."""
+        """The shards were written by zerotrain (an optimizer step, ``GatheredParameters``)
+        and follow the master."""
         self.wire.shards_changed(self)
+        self._shard_version = self.shard._version
+
+    # ------------------------------------------------------------------ ds_tensor writes
+    def _note_rebind(self) -> None:
+        """A ``ds_tensor`` of this unit had its ``.data`` assigned (by a script, or by
+        ``offload_states`` moving the shard): look at them before the next use."""
+        self._rebound = True
+
+    def take_rebinds(self) -> bool:
+        """Copy each rebound ``ds_tensor`` into the shard and point it back at its chunk;
+        True if any was (Note "writes through ds_tensor" in partition.py). Local."""
+        if not self._rebound:
+            return False
+        self._rebound = False
+        taken, base = False, self.shard.data_ptr()
+        size = self.shard.element_size()
+        for i, start, numel in self._chunks:
+            current = self.spec.params[i].ds_tensor
+            if (type(current) is P.ChunkTensor and current.numel() == numel
+                    and (numel == 0 or current.data_ptr() == base + start * size)):
+                continue   # still this chunk of the shard (the cheap check, every gather)
+            own = self.shard[start: start + numel]
+            taken |= P.take_rebinding(self.spec.params[i], own, self.spec.names[i])
+        return taken
+
+    def shard_written(self) -> bool:
+        """Whether the shard was written from outside (through ``ds_tensor``) since it last
+        followed the master."""
+        self.take_rebinds()
+        return self.shard._version != self._shard_version
+
+    def take_shard_writes(self) -> None:
+        """The master takes what was written into the shard through ``ds_tensor``: the
+        elements whose shard value differs from the master's, rounded to the shard dtype
+        (Note "writes through ds_tensor" in partition.py). Local; the caller has made sure
+        no update is running on the master."""
+        if not self.shard_written():
+            return
+        if self.shard is not self.master:
+            with torch.no_grad():
+                shard = self.shard.to(self.master.device)
+                written = shard != self.master.to(shard.dtype)
+                self.master[written] = shard[written].to(self.master.dtype)
+        self._shard_version = self.shard._version
 
     def regather(self) -> None:
         """A persistent unit gathers its new full values (collective); others wait for

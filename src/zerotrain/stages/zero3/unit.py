@@ -53,6 +53,7 @@ from . import partition as P
 from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec
 from .wire import NO_BUCKET_LIMIT, UnitWire
+from .zero_init import attach_param_methods
 
 
 class UnitState(enum.Enum):
@@ -182,12 +183,14 @@ class Unit:
                 p.ds_tensor = self.shard[s.column + where.start: s.column + where.stop]
                 p.ds_master = self.master[s.column + where.start: s.column + where.stop]
                 p.ds_unit = self
+                attach_param_methods(p)
         if self.frozen is not None:   # DeepSpeed's ds_tensor is the int8 chunk here too
             for k, i in enumerate(self.frozen.indices):
                 p = self.spec.params[i]
                 p.ds_tensor = self.frozen.row(k)
                 p.ds_master = None
                 p.ds_unit = self
+                attach_param_methods(p)
 
     def frozen_index(self, p: torch.Tensor) -> Optional[int]:
         """``p``'s position in the quantized frozen slice, or None when it has a shard."""

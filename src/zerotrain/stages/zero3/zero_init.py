@@ -182,6 +182,9 @@ class Init:
         fresh = [p for p in module.parameters() if not P.is_partitioned(p)]
         if not fresh:
             return
+        if any(p.is_meta for p in fresh):
+            self._partition_after_to_empty(module)
+            return
         if self.dtype is not None:
             for p in fresh:
                 if p.is_floating_point():
@@ -202,6 +205,22 @@ class Init:
             P.partition(p, rank, world, chunk=chunk)
             attach_param_methods(p)
             self._writes.register(p)
+
+
+    def _partition_after_to_empty(self, module: nn.Module) -> None:
+        """A module built on the meta device has no values to partition yet:
+        ``torch.nn.utils.skip_init`` builds it there and then calls ``to_empty(device=...)``.
+        Partition right after that call (rank 0's memory, whatever it holds, is broadcast
+        as for any new module), as DeepSpeed does."""
+        if "to_empty" in module.__dict__:
+            return
+
+        def to_empty(*args: Any, **kwargs: Any) -> nn.Module:
+            del module.to_empty
+            out = type(module).to_empty(module, *args, **kwargs)
+            self._partition_module(module)
+            return out
+        module.to_empty = to_empty
 
 
 def _global_rank(comm: Communicator, group_rank: int) -> int:

@@ -175,6 +175,11 @@ class ZeroOptimizer:
     fp32_groups_flat = fp32_partitioned_groups_flat
 
     @property
+    def bit16_groups_flat(self) -> list:
+        """Stages 1-2: each group's parameters, flat, in the training dtype (a copy)."""
+        return self._view("bit16_groups_flat")
+
+    @property
     def fp32_groups_gradients_flat(self) -> list:
         """Per group, the whole averaged gradient, flat (collective)."""
         return self._view("fp32_groups_gradients_flat")

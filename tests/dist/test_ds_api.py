@@ -208,10 +208,19 @@ def _log_and_status_job(rank: int, world: int) -> dict:
     with zerotrain.zero.GatheredParameters([p]):
         inside = p.ds_status
         full_shape = tuple(p.shape)
+        full = p.detach().clone()
+    # DeepSpeed's per-parameter methods: gathered until partition(), outside any context
+    bias = model.hidden.bias
+    p.all_gather_coalesced([p, bias]).wait()
+    coalesced = (p.ds_status, bias.ds_status, torch.equal(p.detach(), full),
+                 tuple(bias.shape))
+    p.partition([p, bias])
+    coalesced += (p.ds_status, bias.ds_status, tuple(p.shape))
     ids = [q.ds_id for q in model.parameters()]
     res = {"messages": handler.messages, "outside": outside, "inside": inside,
            "after": p.ds_status, "ids": ids, "numel": p.ds_numel, "full_shape": full_shape,
-           "chunk": p.ds_tensor.numel(), "not_available": ZeroParamStatus.NOT_AVAILABLE}
+           "chunk": p.ds_tensor.numel(), "not_available": ZeroParamStatus.NOT_AVAILABLE,
+           "coalesced": coalesced}
     R.train_engine(engine, steps=1, rank=rank, ga=1)
     res["after_training"] = {q.ds_status for q in model.parameters()}
     engine.close()
@@ -233,6 +242,8 @@ def test_log_dist_ranks_and_zero3_parameter_attributes(worlds):
                                                                 for i in res["ids"])
         assert res["full_shape"] == (29, 13) and res["numel"] == 29 * 13
         assert res["chunk"] == -(-29 * 13 // 2)   # this rank's padded chunk
+        available, released = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
+        assert res["coalesced"] == (available, available, True, (29,), released, released, (0,))
 
 
 def _nvme_job(rank: int, world: int, root: str) -> dict:

@@ -5,7 +5,9 @@ the one the step applies (clipping sees it too), and a local chunk is the rank's
 the full value. DeepSpeed's optimizer attributes ride along: ``engine.allreduce_gradients()``
 then ``optimizer.averaged_gradients`` (the rank's chunk of each averaged gradient) and
 ``fp32_groups_gradients_flat`` (each group's whole averaged gradient),
-``fp16_groups`` / ``fp32_partitioned_groups_flat`` (keys of the inner optimizer's state), and
+``fp16_groups`` / ``fp32_partitioned_groups_flat`` (keys of the inner optimizer's state),
+stage 1-2's ``bit16_groups_flat`` (the parameters, flat) and its "Flattening param group" info
+line on zerotrain's root logger (DeepSpeed's tests patch ``deepspeed.utils.logger.info``), and
 ``runtime.zero.unwrap_model_for_generation`` between the steps (full weights, no forward hooks
 inside; training goes on after it exactly)."""
 from __future__ import annotations
@@ -31,10 +33,25 @@ def _job(rank: int, world: int, stage: int) -> dict:
 
     from zerotrain.zero import unwrap_model_for_generation
 
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    seen: list[str] = []
+    log, keep = logging.getLogger("zerotrain"), Keep()
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(keep)
     model = R.make_model()
-    engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=stage,
-                                                                          clip=CLIP))
-    out: dict = {"local": {}}
+    try:
+        engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=stage,
+                                                                              clip=CLIP))
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    out: dict = {"local": {}, "flattening": [m for m in seen if "Flattening param group" in m]}
     for step in range(2):
         engine.backward(engine(*R.micro_batch(step, rank, 0)))
         params = list(model.parameters())
@@ -65,6 +82,13 @@ def _job(rank: int, world: int, stage: int) -> dict:
             masters = engine.optimizer.fp32_partitioned_groups_flat
             assert engine.optimizer.single_partition_of_fp32_groups == masters
             out["steps"] = [engine.optimizer.optimizer.state[m]["step"].item() for m in masters]
+            if stage == 3:
+                out["bit16"] = hasattr(engine.optimizer, "bit16_groups_flat")
+            else:
+                whole = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                flat = engine.optimizer.bit16_groups_flat
+                out["bit16"] = (len(flat) == 1 and flat[0].grad_fn is None
+                                and torch.equal(flat[0], whole))
             out["groups"] = [[n for n, p in model.named_parameters() if any(p is q for q in g)]
                              for g in engine.optimizer.fp16_groups]
             hooked = len(engine.optimizer.forward_hooks)
@@ -115,6 +139,7 @@ def test_replaced_gradients_are_the_ones_stepped_and_local_chunks_are_the_ranks(
                                                                                 stage):
     expected, norms = _reference(2)
     means = [g / 2 for g in R.summed_gradients(R.make_model(), 0, 2)]
+    full_numel = [p.numel() for p in R.make_model().parameters()]
     for rank, res in enumerate(worlds.run(2, _job, stage)):
         where = f"stage {stage} rank {rank}"
         assert torch.allclose(torch.stack(res["norms"]), torch.stack(norms), rtol=1e-5), where
@@ -131,6 +156,10 @@ def test_replaced_gradients_are_the_ones_stepped_and_local_chunks_are_the_ranks(
         names = sorted(n for n, _ in R.make_model().named_parameters())
         assert sorted(sum(res["groups"], [])) == names, where   # each parameter once
         assert res["steps"] == [1.0] * len(res["groups"]), where
+        assert res["bit16"] == (stage != 3), where   # stage 3 has none, as DeepSpeed's
+        shard = 4 * sum(-(-n // 2) for n in full_numel)   # fp32: each parameter's half
+        assert res["flattening"] == ([] if stage == 3 else [
+            f"Flattening param group 0 ({shard} bytes) on cpu (sufficient memory)"]), where
         full = [p.numel() for p in R.make_model().parameters()]
         assert res["unwrapped"] == (0, full), where
         assert res["hooks"][0] == res["hooks"][1] and (res["hooks"][0] > 0) == (stage == 3)

@@ -27,3 +27,24 @@ def _plain_vs_zero_init(rank, world, stage):
 @pytest.mark.parametrize("stage,world", [(0, 2), (1, 3), (2, 2)])
 def test_zero_init_model_at_stages_0_to_2_trains_like_plain_construction(worlds, stage, world):
     assert worlds.run(world, _plain_vs_zero_init, stage) == [0.0] * world
+
+
+def _skip_init_job(rank, world):
+    """``torch.nn.utils.skip_init`` under ``zero.Init``: the module is built on the meta
+    device and given memory by ``to_empty``; it is partitioned after that (rank 0's
+    memory broadcast, so every rank holds chunks of one value)."""
+    import zerotrain
+
+    with zerotrain.zero.Init():
+        linear = torch.nn.utils.skip_init(torch.nn.Linear, 7, 5)
+    weight = linear.weight
+    chunked = (weight.numel(), weight.ds_tensor.numel(), weight.ds_tensor.device.type)
+    with zerotrain.zero.GatheredParameters([weight]):
+        full = weight.detach().clone()
+    everyone = [torch.empty_like(full) for _ in range(world)]
+    torch.distributed.all_gather(everyone, full)   # the test's own check, not the library's
+    return chunked, tuple(full.shape), all(torch.equal(full, other) for other in everyone)
+
+
+def test_skip_init_module_is_partitioned_after_to_empty(worlds):
+    assert worlds.run(2, _skip_init_job) == [((0, 18, "cpu"), (5, 7), True)] * 2

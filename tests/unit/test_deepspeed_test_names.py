@@ -1,5 +1,7 @@
 """The names and readings DeepSpeed's own unit tests (and their harness) take from
 ``deepspeed``, answered through the switch."""
+import logging
+
 import pytest
 import torch
 
@@ -203,3 +205,16 @@ def test_torch_func_transforms_through_the_engine_are_the_modules(worlds, ga):
     """``torch.func.grad``/``jacrev``/``vmap`` on the engine give the module's own results:
     the transform's backward is not a training backward (no accumulation scaling)."""
     assert worlds.run(1, _torch_func_job, ga) == [True]
+
+
+def test_elastic_checkpoint_at_stage_3_warns_on_the_root_logger(caplog):
+    """DeepSpeed's deprecation warning, where its tests patch ``deepspeed.utils.logger``
+    (zerotrain's root logger through the switch); below stage 3 the key stays quiet."""
+    from zerotrain.config.deepspeed_zero import DeepSpeedZeroConfig
+
+    with caplog.at_level(logging.WARNING, logger="zerotrain"):
+        DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+        assert caplog.records == []
+        DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert [r.name for r in caplog.records] == ["zerotrain"]
+    assert "elastic checkpointing is deprecated" in caplog.records[0].getMessage().lower()

@@ -10,6 +10,7 @@ zerotrain does not implement.
 """
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -123,6 +124,18 @@ class DeepSpeedZeroConfig(_Model):
             if data.get(old) is not None and data.get(new) is None:
                 data[new] = convert(data[old])
         return data
+
+    @model_validator(mode="after")
+    def _elastic_checkpoint_at_stage_3(self) -> "DeepSpeedZeroConfig":
+        """DeepSpeed's warning, on zerotrain's root logger (``deepspeed.utils.logger``
+        through the switch): the key does nothing at stage 3, whose checkpoints load at
+        any data-parallel world size anyway."""
+        if self.stage == 3 and self.elastic_checkpoint:
+            logging.getLogger("zerotrain").warning(
+                "zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is "
+                "deprecated and does nothing; stage 3 checkpoints load at any data-parallel "
+                "world size without it (or export them with zero_to_fp32)")
+        return self
 
     @model_validator(mode="after")
     def _overlap_default(self) -> "DeepSpeedZeroConfig":

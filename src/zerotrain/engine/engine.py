@@ -114,6 +114,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
             if torch.is_grad_enabled():   # Note "step fingerprint" in comm/trail.py
                 self.comm.ledger.trail.note("forward", None, "engine forward")
+            self.tput_timer.start()
             outputs = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and not self.inference_only:
             outputs = self._direct.gate(outputs)   # loss.backward() works too (its Note)
@@ -204,6 +205,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                              "initialize(optimizer=...)), so it runs forward only")
 
     def _end_micro_step(self) -> None:
+        if not self.tput_timer.started:   # the module was called without engine.forward
+            self.tput_timer.start()
         self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
         self.micro_steps += 1
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())

@@ -84,6 +84,18 @@ class OptimizerViews:
         by_name = dict(self.engine().module.named_parameters())
         return [[by_name[n] for n in r.names] for r in self._trained_records()]
 
+    def bit16_groups_flat(self) -> list[torch.Tensor]:
+        """Per entry of :meth:`fp16_groups`, its parameters' current values in the training
+        dtype, flat and detached, on their device (DeepSpeed's stage 1-2 name). A copy:
+        zerotrain's parameters are not views into one flat buffer, so writing into it
+        changes no parameter. Stage 3 has no such list (its parameters are partitioned),
+        as DeepSpeed's stage 3 optimizer has none."""
+        if self.engine().stage.partitions_parameters:
+            raise AttributeError("bit16_groups_flat is a stage 1-2 attribute; at stage 3 "
+                                 "the parameters are partitioned (see fp16_groups)")
+        return [torch.cat([p.detach().reshape(-1) for p in params])
+                for params in self.fp16_groups()]
+
     def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
         """This rank's fp32 master shards, one per entry of :meth:`fp16_groups`; each is a
         key of ``optimizer.optimizer.state``."""

@@ -8,6 +8,13 @@ Note: what the rate measures
     steps (allocation, compilation, autotuning). On a CUDA device the step ends are CUDA
     events recorded on the current stream: nothing waits while training, and reading the
     rate waits for the latest step only (Note: timing on a GPU in ``timers.py``).
+
+    DeepSpeed's bracket fields ride along: ``start()`` (the engine's forward) opens a
+    micro-step, ``stop()`` closes it and counts it; once ``start_step`` steps are done, each
+    bracket's host-clock length (``end_time - start_time``, no device wait) adds to
+    ``total_elapsed_time`` and to ``step_elapsed_time`` (reset at each optimizer step).
+    As in DeepSpeed, ``stop()`` without an open bracket counts nothing; the engine opens
+    one itself when a micro-step ends without its forward (a module called directly).
 """
 from __future__ import annotations
 
@@ -28,6 +35,12 @@ class ThroughputTimer:
         self.epoch_count = 0
         self.micro_step_count = 0     # micro-steps since the epoch began
         self.global_step_count = 0
+        self.initialized = False      # start() was called once (DeepSpeed's fields)
+        self.started = False          # a bracket is open
+        self.start_time = 0.0         # the open bracket's start (0 before start_step)
+        self.end_time = 0.0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
         self._first: Optional[object] = None   # step ``start_step``'s end: a time or event
         self._last: Optional[object] = None
 
@@ -36,12 +49,29 @@ class ThroughputTimer:
         self.epoch_count += 1
         self.micro_step_count = 0
 
-    def stop(self, global_step: bool) -> None:
-        """A micro-step ended; ``global_step``: it ended with an optimizer step."""
+    def start(self) -> None:
+        """A micro-step begins (the engine's forward): open its bracket."""
+        self.initialized = self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False) -> None:
+        """The open micro-step ended; ``global_step``: it ended with an optimizer step.
+        Without an open bracket (no ``start()`` since the last ``stop()``) nothing counts."""
+        if not self.started:
+            return
+        self.started = False
         self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            self.end_time = time.time()
+            self.total_elapsed_time += self.end_time - self.start_time
+            self.step_elapsed_time += self.end_time - self.start_time
+            if global_step:
+                self.step_elapsed_time = 0.0
         if not global_step:
             return
-        self.global_step_count += 1
         if self.global_step_count < self.start_step:
             return
         mark = self._mark()

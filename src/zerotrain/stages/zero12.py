@@ -23,6 +23,8 @@ Note: one step
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -132,6 +134,9 @@ class ShardedDataParallel(BucketedStage):
     def _shard_group(self, names: list[str], params: list[nn.Parameter],
                      group_index: int) -> ShardedGroup:
         layout = self._layout(params)
+        where = self.storage.zeros(0, self.policy.master_dtype).device   # allocates nothing
+        _log_flattening(group_index, layout.shard_numel * self.policy.master_dtype.itemsize,
+                        where)
         master = self.storage.zeros(layout.shard_numel, self.policy.master_dtype)
         for slot, param in zip(layout.slots, params):
             master[layout.shard_slice(slot)] = layout.shard_of_full(
@@ -271,6 +276,22 @@ class ShardedDataParallel(BucketedStage):
             out[where] += [g.master] + [t for t in list(self.optimizer.state.get(
                 g.master, {}).values()) if isinstance(t, torch.Tensor)]
         return out
+
+
+def _log_flattening(group_index: int, nbytes: int, device: torch.device) -> None:
+    """DeepSpeed's info line as each parameter group is flattened into this rank's shard,
+    with whether the memory it lands in had room for it (free bytes before the shard is
+    made). On zerotrain's root logger, not this module's: DeepSpeed's tools watch its one
+    logger (``deepspeed.utils.logger``, which is zerotrain's through the switch)."""
+    log = logging.getLogger("zerotrain")
+    if not log.isEnabledFor(logging.INFO):
+        return
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    room = "sufficient memory" if free >= nbytes else f"insufficient memory: {free} bytes free"
+    log.info(f"Flattening param group {group_index} ({nbytes} bytes) on {device.type} ({room})")
 
 
 def _gather_pieces(layout: FlatLayout, bucket_numel: int) -> list[list[Block]]:

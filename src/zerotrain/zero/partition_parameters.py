@@ -19,10 +19,12 @@ import torch
 from . import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
 __all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus",
-           "_orig_torch_arange", "partitioned_param_data_shape", "register_external_parameter",
+           "_orig_torch_arange", "_orig_torch_empty", "partitioned_param_data_shape", "register_external_parameter",
            "zero_wrapper_for_fp_tensor_constructor"]
 
-_orig_torch_arange = torch.arange   # DeepSpeed's name for the unwrapped constructor
+# DeepSpeed's names for the unwrapped constructors (zerotrain's Init replaces neither)
+_orig_torch_arange = torch.arange
+_orig_torch_empty = torch.empty
 
 # The shape of a partitioned parameter's ``.data`` while it is released (an empty
 # placeholder; the values live in ``ds_tensor``), under DeepSpeed's name.

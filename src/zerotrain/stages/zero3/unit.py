@@ -53,6 +53,7 @@ from . import partition as P
 from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec
 from .wire import NO_BUCKET_LIMIT, UnitWire
+from .zero_init import attach_param_methods
 
 
 class UnitState(enum.Enum):
@@ -184,12 +185,14 @@ class Unit:
                     self.spec.names[i], self._note_rebind)
                 p.ds_master = self.master[s.column + where.start: s.column + where.stop]
                 p.ds_unit = self
+                attach_param_methods(p)
         if self.frozen is not None:   # DeepSpeed's ds_tensor is the int8 chunk here too
             for k, i in enumerate(self.frozen.indices):
                 p = self.spec.params[i]
                 p.ds_tensor = self.frozen.row(k)
                 p.ds_master = None
                 p.ds_unit = self
+                attach_param_methods(p)
         self._shard_version = self.shard._version   # the shard follows the master now
         self._rebound = False   # a ds_tensor's .data was assigned since take_rebinds
         # (parameter index, offset in the shard, numel) of each ds_tensor viewing the shard

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -181,6 +182,9 @@ class Init:
         fresh = [p for p in module.parameters() if not P.is_partitioned(p)]
         if not fresh:
             return
+        if any(p.is_meta for p in fresh):
+            self._partition_after_to_empty(module)
+            return
         if self.dtype is not None:
             for p in fresh:
                 if p.is_floating_point():
@@ -199,7 +203,24 @@ class Init:
             if self.remote_device == "cpu":
                 chunk = chunk.pin_memory() if self.pin_memory else chunk.cpu()
             P.partition(p, rank, world, chunk=chunk)
+            attach_param_methods(p)
             self._writes.register(p)
+
+
+    def _partition_after_to_empty(self, module: nn.Module) -> None:
+        """A module built on the meta device has no values to partition yet:
+        ``torch.nn.utils.skip_init`` builds it there and then calls ``to_empty(device=...)``.
+        Partition right after that call (rank 0's memory, whatever it holds, is broadcast
+        as for any new module), as DeepSpeed does."""
+        if "to_empty" in module.__dict__:
+            return
+
+        def to_empty(*args: Any, **kwargs: Any) -> nn.Module:
+            del module.to_empty
+            out = type(module).to_empty(module, *args, **kwargs)
+            self._partition_module(module)
+            return out
+        module.to_empty = to_empty
 
 
 def _global_rank(comm: Communicator, group_rank: int) -> int:
@@ -265,6 +286,65 @@ class GatheredParameters:
             p.data = P.empty_placeholder(p)
         P.mark(self._gathered, P.ZeroParamStatus.NOT_AVAILABLE)
         self._gathered.clear()
+
+
+class _Gathered:
+    """The handle ``all_gather_coalesced`` returns: the gathers are done when it returns
+    (they are synchronous here), so ``wait`` has nothing left to wait for."""
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        """Nothing in flight (see the class)."""
+
+
+def all_gather_coalesced(params: Iterable[nn.Parameter], safe_mode: bool = False,
+                         quantize: bool = False) -> _Gathered:
+    """DeepSpeed's ``param.all_gather_coalesced(params)``: every released partitioned
+    parameter of ``params`` gets its full value in ``.data`` and stays whole until
+    ``param.partition()`` (or its unit's next release). Collective: every rank passes the
+    same parameters. ``safe_mode`` and ``quantize`` are DeepSpeed's options with nothing
+    to change here (the chunks go over as they are kept)."""
+    comm = Communicator()
+    gathered = []
+    for p in {id(p): p for p in params}.values():
+        if not P.is_partitioned(p) or p.numel() == p.ds_numel:
+            continue
+        p.data = _gather_full(p, _shard_comm(p, comm), _compute_device(p))
+        gathered.append(p)
+    P.mark(gathered, P.ZeroParamStatus.AVAILABLE)
+    return _Gathered()
+
+
+def release(params: Iterable[nn.Parameter]) -> None:
+    """DeepSpeed's ``param.partition(params)``: drop the full value of each gathered
+    parameter (its chunk stays the value; a change made to the full value is not kept:
+    write through ``zero.GatheredParameters(..., modifier_rank=...)``)."""
+    released = [p for p in params if P.is_partitioned(p) and p.numel() == p.ds_numel
+                and p.ds_numel > 0]
+    for p in released:
+        p.data = P.empty_placeholder(p)
+    P.mark(released, P.ZeroParamStatus.NOT_AVAILABLE)
+
+
+def attach_param_methods(p: nn.Parameter) -> None:
+    """Give a partitioned parameter DeepSpeed's per-parameter methods: ``all_gather()``,
+    ``all_gather_coalesced(params)`` and ``partition(param_list=None)``. They hold the
+    parameter weakly: a parameter keeping itself alive through its own attributes would
+    wait for the cycle collector to free its memory."""
+    ref = weakref.ref(p)
+    p.all_gather = functools.partial(_gather_one, ref)
+    p.all_gather_coalesced = all_gather_coalesced
+    p.partition = functools.partial(_release_one, ref)
+
+
+def _gather_one(ref: "weakref.ref[nn.Parameter]",
+                param_list: Optional[Iterable[nn.Parameter]] = None,
+                **_options: Any) -> _Gathered:
+    return all_gather_coalesced([ref()] if param_list is None else param_list)
+
+
+def _release_one(ref: "weakref.ref[nn.Parameter]",
+                 param_list: Optional[Iterable[nn.Parameter]] = None, **_options: Any) -> None:
+    release([ref()] if param_list is None else param_list)
 
 
 def unpartition(params: Iterable[nn.Parameter], comm: Communicator) -> int:

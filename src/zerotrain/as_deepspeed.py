@@ -127,6 +127,7 @@ ALIASES.update({
 # More of DeepSpeed's own ZeRO unit tests: the leaf-module defaults.
 ALIASES.update({
     "deepspeed.runtime.zero.leaf_module_config": "zerotrain.config.zero",
+    "deepspeed.runtime.zero.offload_states": "zerotrain.utils",   # get_state_devices
 })
 _FORWARDED_DUNDERS = frozenset({"__all__", "__compatible_ops__"})  # others: the alias's
 _GUIDE = "see docs/from-deepspeed.md, 'The API, name by name', for what zerotrain provides"

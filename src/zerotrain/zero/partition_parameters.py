@@ -16,11 +16,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..stages.zero3.zero_init import _contradicting_single_rank_pg_error
 from . import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
 __all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus",
            "_orig_torch_arange", "partitioned_param_data_shape", "register_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+           "zero_wrapper_for_fp_tensor_constructor", "_contradicting_single_rank_pg_error"]
 
 _orig_torch_arange = torch.arange   # DeepSpeed's name for the unwrapped constructor
 

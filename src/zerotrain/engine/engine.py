@@ -35,7 +35,7 @@ from .accumulation import EngineAccumulation
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
-from ..errors import NonFiniteGradientError, StateError
+from ..errors import ContextMisuseError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
@@ -171,7 +171,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._refuse_without_optimizer("step()")
         moved_states.refuse_while_away(self._moved, "step()")
         if self._coalescing:
-            raise StateError("engine.step() inside coalesce_grad_reduction() (a no_sync "
+            raise ContextMisuseError("engine.step() inside coalesce_grad_reduction() (a no_sync "
                              "block): leave the block first, its exit reduces the gradients")
         with self._timers.time("step"):
             try:
@@ -325,6 +325,13 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             raise TypeError(f"set_gradient_accumulation_boundary() takes a bool, got "
                             f"{type(is_boundary).__name__}")
         self._boundary_override = is_boundary   # the next backward() tells the stage
+
+    @property
+    def _is_gradient_accumulation_boundary(self) -> Optional[bool]:
+        """The override ``set_gradient_accumulation_boundary`` set (None: the engine counts
+        micro-steps), under DeepSpeed's attribute name, which code saving and restoring
+        the caller's choice reads."""
+        return self._boundary_override
 
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""

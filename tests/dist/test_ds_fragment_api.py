@@ -35,6 +35,7 @@ def _job(rank: int, world: int, stage: int) -> dict:
     engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=stage,
                                                                           clip=CLIP))
     out: dict = {"local": {}}
+    assert engine.optimizer.needs_scaler() is False   # fp32: nothing to scale
     for step in range(2):
         engine.backward(engine(*R.micro_batch(step, rank, 0)))
         params = list(model.parameters())

@@ -58,6 +58,11 @@ class ContextMisuseError(StateError, AssertionError):
     both, and a StateError."""
 
 
+class LossValueError(ZeroTrainError, ValueError, AssertionError):
+    """A loss that is not one number where one is needed (``engine.scale``). DeepSpeed
+    asserts it, so this is also an ``AssertionError``."""
+
+
 class NonFiniteGradientError(ZeroTrainError, FloatingPointError):
     """A gradient was inf or nan outside fp16 loss scaling, where a skipped step would hide it."""
 

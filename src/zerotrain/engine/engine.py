@@ -35,7 +35,7 @@ from .accumulation import EngineAccumulation
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
-from ..errors import ContextMisuseError, NonFiniteGradientError, StateError
+from ..errors import ContextMisuseError, LossValueError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
@@ -81,6 +81,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_outcome: Optional[StepOutcome] = None
+        self._step_applied = False   # by the latest step() (False between boundaries)
         self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
         self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
@@ -155,7 +156,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale (unchanged in bf16/fp32): what to call
-        ``.backward()`` on instead of ``engine.backward(loss)``, as in DeepSpeed."""
+        ``.backward()`` on instead of ``engine.backward(loss)``, as in DeepSpeed. A loss
+        that is not one number is refused (its backward would need a gradient argument
+        the scale would not reach)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__)
+            raise LossValueError(f"engine.scale(loss) takes a scalar tensor (the loss), got "
+                                 f"{what}")
         return self.loss_scaler.scale(loss)
 
     def _backward_epilogue(self) -> None:
@@ -173,6 +181,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         if self._coalescing:
             raise ContextMisuseError("engine.step() inside coalesce_grad_reduction() (a no_sync "
                              "block): leave the block first, its exit reduces the gradients")
+        self._step_applied = False
         with self._timers.time("step"):
             try:
                 if self.is_gradient_accumulation_boundary():
@@ -215,6 +224,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
         self._last_outcome = outcome
+        self._step_applied = outcome.applied
         self._backward_in_window = False
         self.loss_scaler.update(overflow=not outcome.applied)
         if outcome.applied:
@@ -307,6 +317,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._backward_in_window = False
         self._local_backwards = 0
         self._last_outcome = None
+        self._step_applied = False
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 

@@ -128,6 +128,8 @@ ALIASES.update({
 ALIASES.update({
     "deepspeed.runtime.zero.leaf_module_config": "zerotrain.config.zero",
     "deepspeed.runtime.zero.tiling": "zerotrain.zero.tiling",
+    "deepspeed.runtime.zero.offload_states": "zerotrain.utils",   # get_state_devices
+    "deepspeed.runtime.zero.linear": "zerotrain.zero.linear",
 })
 _FORWARDED_DUNDERS = frozenset({"__all__", "__compatible_ops__"})  # others: the alias's
 _GUIDE = "see docs/from-deepspeed.md, 'The API, name by name', for what zerotrain provides"

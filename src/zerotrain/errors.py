@@ -51,6 +51,18 @@ class StateError(ZeroTrainError, RuntimeError):
     """An engine or shard method was called in a state where it cannot run."""
 
 
+class ContextMisuseError(StateError, AssertionError):
+    """``no_sync()`` / ``coalesce_grad_reduction()`` used where they cannot run (a step
+    inside, a nesting DeepSpeed refuses, a stage that reduce-scatters every backward).
+    DeepSpeed asserts these, so code written for it catches ``AssertionError``: this is
+    both, and a StateError."""
+
+
+class LossValueError(ZeroTrainError, ValueError, AssertionError):
+    """A loss that is not one number where one is needed (``engine.scale``). DeepSpeed
+    asserts it, so this is also an ``AssertionError``."""
+
+
 class NonFiniteGradientError(ZeroTrainError, FloatingPointError):
     """A gradient was inf or nan outside fp16 loss scaling, where a skipped step would hide it."""
 

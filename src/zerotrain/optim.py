@@ -184,6 +184,11 @@ class ZeroOptimizer:
         """Per group, the whole averaged gradient, flat (collective)."""
         return self._view("fp32_groups_gradients_flat")
 
+    def needs_scaler(self) -> bool:
+        """DeepSpeed's question before a direct ``loss.backward()``: does the loss need
+        ``engine.scale(loss)`` (fp16's loss scaling)?"""
+        return self._view("needs_scaler")
+
     @property
     def forward_hooks(self) -> list:
         return self._view("forward_hooks")

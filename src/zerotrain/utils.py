@@ -21,6 +21,7 @@ from .checkpoint.consolidate import (convert_zero_checkpoint_to_fp32_state_dict,
 from .comm import get_rank, is_initialized
 from .dataloader import RepeatingLoader
 from .errors import StateError
+from .offload.states import parse_include
 from .core.log import ALL_RANKS
 from .stages.zero3.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
                          set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
@@ -33,7 +34,7 @@ __all__ = ["RepeatingLoader", "convert_zero_checkpoint_to_fp32_state_dict",
            # DeepSpeed's setters, stage 3's local (this rank's chunk) accessors, log level
            "safe_set_full_grad", "safe_set_full_optimizer_state",
            "safe_update_full_grad_vectorized", "safe_get_local_fp32_param",
-           "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_get_local_grad", "safe_get_local_optimizer_state", "get_state_devices",
            "safe_set_local_fp32_param", "safe_set_local_grad",
            "safe_set_local_optimizer_state", "set_log_level_from_string",
            # stage 3's leaf modules (zero3/leaf.py), DeepSpeed 0.19's names
@@ -307,6 +308,21 @@ def set_log_level_from_string(log_level_str: str, custom_logger: Any = None) -> 
         raise ValueError(f"log level {log_level_str!r} is not one of debug, info, warning, "
                          "error, critical")
     (custom_logger or logger).setLevel(level)
+
+
+def get_state_devices(model: Any, state: Any) -> set[torch.device]:
+    """The devices the engine's ``state`` (an ``OffloadStateTypeEnum`` or its name) is on
+    now (DeepSpeed's ``runtime.zero.offload_states.get_state_devices``): where
+    ``offload_states`` moved it, or where the config keeps it (optimizer offload puts the
+    masters and their state on the host). Empty where the engine holds no such tensor (no
+    optimizer state before the first step)."""
+    kinds = parse_include([state])
+    stage = getattr(model, "stage", None)
+    if stage is None or not hasattr(stage, "movable_states"):
+        raise StateError(f"get_state_devices: {type(model).__name__} is not a training "
+                         "engine of zerotrain (pass what deepspeed.initialize returned)")
+    return {t.device for t in stage.movable_states(resident_only=False)[kinds[0]]
+            if t is not None}
 
 
 def _locate_local(param: torch.nn.Parameter, what: str):

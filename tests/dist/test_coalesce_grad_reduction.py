@@ -17,22 +17,38 @@ def _job(rank: int, world: int, stage: int, coalesce: bool) -> list[torch.Tensor
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    assert engine._is_gradient_accumulation_boundary is None   # the engine counts
     g = torch.Generator().manual_seed(1 + rank)
     for _ in range(2):
         with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
             for i in range(3):
                 engine.set_gradient_accumulation_boundary(i == 2)
                 engine.backward(engine(torch.randn(2, 6, generator=g)).square().mean())
-                if coalesce and i == 2:
+                if coalesce and i == 2:   # a StateError, and DeepSpeed's AssertionError
                     with pytest.raises(StateError, match="inside coalesce"):
                         engine.step()
+                    with pytest.raises(AssertionError, match="no_sync"):
+                        engine.step()
         engine.step()
+    assert engine._is_gradient_accumulation_boundary is True   # the caller's last choice
     out = [p.detach().clone() for p in model.parameters()]
     if stage == 1:
         with engine.no_sync():
             with pytest.raises(StateError, match="nested"):
                 with engine.coalesce_grad_reduction():
                     pass
+            with pytest.raises(AssertionError, match="nested"):
+                with engine.coalesce_grad_reduction():
+                    pass
+    else:
+        with pytest.raises(AssertionError, match="ZeRO stage 2"):
+            with engine.no_sync():
+                pass
+    assert engine.pipeline_parallelism is False
+    engine.pipeline_parallelism = True
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        with engine.coalesce_grad_reduction():
+            pass
     engine.close()
     return out
 

@@ -52,6 +52,7 @@ def _job(rank: int, world: int, stage: int) -> dict:
         log.removeHandler(keep)
         log.setLevel(level)
     out: dict = {"local": {}, "flattening": [m for m in seen if "Flattening param group" in m]}
+    assert engine.optimizer.needs_scaler() is False   # fp32: nothing to scale
     for step in range(2):
         engine.backward(engine(*R.micro_batch(step, rank, 0)))
         params = list(model.parameters())

@@ -21,12 +21,17 @@ def _accessors(rank, world):
                                                           "warmup_type": "linear"}}
     engine, optimizer, loader, scheduler = zerotrain.initialize(
         model=model, model_parameters=model.parameters(), config=config)
-    lrs, boundaries = [], []
+    lrs, boundaries, applied = [], [], []
     for micro in range(4):
         boundaries.append(engine.is_gradient_accumulation_boundary())
         engine.backward(engine(*R.micro_batch(0, rank, micro)))
         engine.step()
         lrs.append(engine.get_lr()[0])
+        applied.append(engine.was_step_applied())
+    try:
+        engine.scale(torch.ones(2))
+    except AssertionError as exc:   # DeepSpeed asserts it; zerotrain's is a ValueError too
+        applied.append(isinstance(exc, ValueError) and "scalar tensor" in str(exc))
     with zerotrain.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
         pass
     engine.eval()
@@ -41,7 +46,7 @@ def _accessors(rank, world):
         "fp16": engine.fp16_enabled(), "steps": (engine.global_steps, engine.micro_steps,
                                                  engine.skipped_steps),
         "boundaries": boundaries, "lrs": lrs, "lr_groups": optimizer.param_groups[0]["lr"],
-        "norm": engine.get_global_grad_norm(), "applied": engine.was_step_applied(),
+        "norm": engine.get_global_grad_norm(), "applied": applied,
         "loss_scale": engine.loss_scale, "eval_mode": eval_mode,
         "module_attr": engine.hidden is model.hidden, "local_rank": engine.local_rank,
         "memory": sorted(engine.memory_breakdown()),
@@ -59,7 +64,9 @@ def test_initialize_returns_deepspeed_tuple_and_accessors(worlds):
         # steps at boundaries only, and iteration i gives min + (max - min) * i / warmup
         assert res["lrs"] == pytest.approx([0.0, 0.0, 0.0, 0.0025])
         assert res["lr_groups"] == pytest.approx(0.0025)
-        assert res["norm"] > 0 and res["applied"] and res["eval_mode"] and res["module_attr"]
+        assert res["norm"] > 0 and res["eval_mode"] and res["module_attr"]
+        # was_step_applied: the latest step() only (none between boundaries); scale(): scalars
+        assert res["applied"] == [False, True, False, True, True]
         assert res["local_rank"] == rank
         assert res["memory"] == ["buffers", "gradients", "optimizer_state", "parameters"]
 

@@ -97,11 +97,24 @@ def test_unmanaged_gradient_accumulation_is_refused_by_name():
 
 def test_offload_config_enums_and_offload_states_on_a_host_run(switch, worlds):
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    from deepspeed.runtime.zero.offload_states import get_state_devices
+
+    with pytest.raises(ValueError, match="unknown state 'ipg'"):
+        get_state_devices(object(), "ipg")
 
     assert OffloadDeviceEnum.cpu == "cpu" and OffloadDeviceEnum("nvme").name == "nvme"
     assert [e.value for e in OffloadStateTypeEnum] == [
         "optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"]
-    assert worlds.run(2, _offload_round_trip) == [True, True]
+    cpu = {torch.device("cpu")}
+    kinds = ("hp_params", "lp_params", "lp_grads", "optim_states")
+    for refused, devices in worlds.run(2, _offload_round_trip):
+        assert refused
+        # the masters the config keeps on the host count (not only what offload_states
+        # moves); no optimizer state before the first step, and no staging buffer here
+        before, after = ({k: d[k] for k in kinds} for d in devices)
+        assert before == {**dict.fromkeys(kinds, cpu), "optim_states": set()}
+        assert after == dict.fromkeys(kinds, cpu)
+        assert devices[0]["contiguous_grad_buffer"] <= cpu
 
 
 def _offload_round_trip(rank, world):
@@ -109,18 +122,25 @@ def _offload_round_trip(rank, world):
 
     import zerotrain
     from zerotrain.errors import StateError
-    from zerotrain.offload_names import OffloadDeviceEnum
+    from zerotrain.offload_names import OffloadDeviceEnum, OffloadStateTypeEnum
+    from zerotrain.utils import get_state_devices
 
     model = R.make_model()
+    config = R.engine_config(stage=3)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
-                                      config=R.engine_config(stage=3))
+                                      config=config)
     engine.offload_states(device=OffloadDeviceEnum.cpu)
     engine.reload_states()
     try:
         engine.offload_states(device=OffloadDeviceEnum.nvme)
     except StateError as exc:
         refused = "only 'cpu'" in str(exc)
+    devices = []
     engine.backward(engine(*R.micro_batch(0, rank, 0)))
+    devices.append({k.value: get_state_devices(engine, k) for k in OffloadStateTypeEnum})
     engine.step()
+    engine.backward(engine(*R.micro_batch(1, rank, 0)))
+    devices.append({k.value: get_state_devices(engine, k) for k in OffloadStateTypeEnum})
     engine.destroy()
-    return refused
+    return refused, devices

@@ -259,3 +259,22 @@ def test_zero_optimizer_shares_param_groups_and_refuses_a_direct_step():
     assert inner.param_groups[0]["lr"] == 0.7
     with pytest.raises(Exception, match="engine.step"):
         wrapped.step()
+
+
+def test_needs_scaler_is_true_for_fp16_only():
+    """DeepSpeed's ``optimizer.needs_scaler()``: a direct ``loss.backward()`` needs
+    ``engine.scale(loss)`` under fp16's loss scaling, never under bf16 or fp32."""
+    from zerotrain.engine.optimizer_views import OptimizerViews
+
+    class _Engine:
+        def __init__(self, precision):
+            self.precision = precision
+
+        def fp16_enabled(self):
+            return self.precision == "fp16"
+
+    opt = ZeroOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
+    for precision, expected in (("fp16", True), ("bf16", False), ("fp32", False)):
+        engine = _Engine(precision)
+        opt.views = OptimizerViews(engine)
+        assert opt.needs_scaler() is expected, precision

@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from ..errors import StateError
+from ..errors import ContextMisuseError
 
 
 class EngineAccumulation:
     """``no_sync()`` and ``coalesce_grad_reduction()`` (Note: no_sync)."""
 
     stage: Any
+    pipeline_parallelism = False   # DeepSpeed's engine flag: this engine runs no pipeline
     inside_no_sync_ctxt: bool
     _coalescing: bool
     _local_backwards: int
@@ -41,7 +42,7 @@ class EngineAccumulation:
         """Backwards inside keep their gradients on this rank; the accumulation window's next
         backward outside reduces them with its own (Note: no_sync). Stages 0 and 1 only."""
         if self.stage.reduces_every_micro_step:
-            raise StateError(
+            raise ContextMisuseError(
                 f"engine.no_sync() is not supported at ZeRO stage "
                 f"{self.zero_optimization_stage()}: it partitions gradients, reduce-scattering "
                 "each backward's gradients into shards, so none can stay local (DeepSpeed "
@@ -62,8 +63,11 @@ class EngineAccumulation:
         if self.zero_optimization_stage() == 0:
             raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
                                       "got stage 0")
+        if self.pipeline_parallelism:
+            raise NotImplementedError("coalesce_grad_reduction is not supported with "
+                                      "pipeline parallelism")
         if self.inside_no_sync_ctxt or self._coalescing:
-            raise StateError("coalesce_grad_reduction cannot be nested inside another no_sync "
+            raise ContextMisuseError("coalesce_grad_reduction cannot be nested inside another no_sync "
                              "or coalesce_grad_reduction block")
         local = not self.stage.reduces_every_micro_step
         self._coalescing = True

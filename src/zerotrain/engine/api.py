@@ -39,6 +39,7 @@ class DeepSpeedEngineAPI:
     stage: Any
     loss_scaler: Any
     _last_outcome: Any
+    _step_applied: bool
 
     # ------------------------------------------------------------------ batch sizes
     def train_batch_size(self) -> int:
@@ -186,7 +187,9 @@ class DeepSpeedEngineAPI:
 
     # ------------------------------------------------------------------ the last step
     def was_step_applied(self) -> bool:
-        return bool(self._last_outcome and self._last_outcome.applied)
+        """Whether the latest ``step()`` updated the parameters: False for one between
+        accumulation boundaries or one skipped on overflow."""
+        return self._step_applied
 
     def get_global_grad_norm(self) -> Optional[float]:
         return None if self._last_outcome is None else self._last_outcome.grad_norm

@@ -35,7 +35,7 @@ from .accumulation import EngineAccumulation
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
-from ..errors import NonFiniteGradientError, StateError
+from ..errors import ContextMisuseError, LossValueError, NonFiniteGradientError, StateError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
@@ -81,6 +81,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_outcome: Optional[StepOutcome] = None
+        self._step_applied = False   # by the latest step() (False between boundaries)
         self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
         self._backward_in_window = False
         self._updated_by: Optional[str] = None   # which call took the last update
@@ -160,7 +161,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale (unchanged in bf16/fp32): what to call
-        ``.backward()`` on instead of ``engine.backward(loss)``, as in DeepSpeed."""
+        ``.backward()`` on instead of ``engine.backward(loss)``, as in DeepSpeed. A loss
+        that is not one number is refused (its backward would need a gradient argument
+        the scale would not reach)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__)
+            raise LossValueError(f"engine.scale(loss) takes a scalar tensor (the loss), got "
+                                 f"{what}")
         return self.loss_scaler.scale(loss)
 
     def _backward_epilogue(self) -> None:
@@ -177,8 +185,9 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._refuse_without_optimizer("step()")
         moved_states.refuse_while_away(self._moved, "step()")
         if self._coalescing:
-            raise StateError("engine.step() inside coalesce_grad_reduction() (a no_sync "
+            raise ContextMisuseError("engine.step() inside coalesce_grad_reduction() (a no_sync "
                              "block): leave the block first, its exit reduces the gradients")
+        self._step_applied = False
         if self._updated_by == "optimizer.step()" and not self._backward_in_window:
             raise StateError("engine.step() after optimizer.step() with no backward between: "
                              "optimizer.step() already took this window's update; call one "
@@ -251,6 +260,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
         self._last_outcome = outcome
+        self._step_applied = outcome.applied
         self._backward_in_window = False
         self._updated_by = call
         self.loss_scaler.update(overflow=not outcome.applied)
@@ -333,6 +343,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._backward_in_window = False
         self._local_backwards = 0
         self._last_outcome = None
+        self._step_applied = False
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
@@ -351,6 +362,13 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             raise TypeError(f"set_gradient_accumulation_boundary() takes a bool, got "
                             f"{type(is_boundary).__name__}")
         self._boundary_override = is_boundary   # the next backward() tells the stage
+
+    @property
+    def _is_gradient_accumulation_boundary(self) -> Optional[bool]:
+        """The override ``set_gradient_accumulation_boundary`` set (None: the engine counts
+        micro-steps), under DeepSpeed's attribute name, which code saving and restoring
+        the caller's choice reads."""
+        return self._boundary_override
 
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""

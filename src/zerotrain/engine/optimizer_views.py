@@ -101,6 +101,12 @@ class OptimizerViews:
         key of ``optimizer.optimizer.state``."""
         return [r.master for r in self._trained_records()]
 
+    def needs_scaler(self) -> bool:
+        """Whether a loss backpropagated directly (``loss.backward()``) must go through
+        ``engine.scale(loss)`` first: fp16, whose loss scaler (static or dynamic) the step
+        divides out again; False for bf16 and fp32, which are never scaled."""
+        return self.engine().fp16_enabled()
+
     def forward_hooks(self) -> list[Any]:
         """The handles of stage 3's forward hooks (none below stage 3, and none inside
         ``unwrap_model_for_generation``)."""

@@ -121,9 +121,11 @@ class Stage(Protocol):
         """The submodules of ``module`` whose forwards ``torch.compile`` may trace whole:
         no hook of the stage that gathers or releases runs inside them (``compile.py``)."""
 
-    def movable_states(self) -> dict[str, list[torch.Tensor]]:
+    def movable_states(self, resident_only: bool = True) -> dict[str, list[torch.Tensor]]:
         """``engine.offload_states``: the tensors of each kind (DeepSpeed's
-        ``OffloadStateTypeEnum`` names) that live on the training device now."""
+        ``OffloadStateTypeEnum`` names) that live on the training device now; with
+        ``resident_only=False`` also those the config keeps on the host
+        (``get_state_devices``)."""
 
     def state_views(self) -> list[torch.Tensor]:
         """Every tensor object the stage holds that may view those tensors' storages (Note

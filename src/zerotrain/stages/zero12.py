@@ -241,12 +241,13 @@ class ShardedDataParallel(BucketedStage):
                 for g in self.groups]
 
     # ------------------------------------------------------------------ offload_states
-    def movable_states(self) -> dict[str, list[torch.Tensor]]:
+    def movable_states(self, resident_only: bool = True) -> dict[str, list[torch.Tensor]]:
         """Masters and their state where they are on the device (not offloaded, or kept by
-        ``offload_optimizer.ratio``), the parameters, the gradient buffers."""
+        ``offload_optimizer.ratio``; all of them unless ``resident_only``), the
+        parameters, the gradient buffers."""
         resident = self.storage.transfers.resident
-        masters = [g.master for g in self.groups
-                   if not self.storage.steps_on_host() or id(g.master) in resident]
+        masters = [g.master for g in self.groups if not resident_only
+                   or not self.storage.steps_on_host() or id(g.master) in resident]
         params = [p for g in self.groups for p in g.params]
         states = self._gradient_states()
         states["lp_grads"] = states["lp_grads"] + [p.grad for p in params if p.grad is not None]

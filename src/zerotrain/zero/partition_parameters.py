@@ -16,11 +16,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..stages.zero3.zero_init import _contradicting_single_rank_pg_error
 from . import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
 __all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus",
-           "_orig_torch_arange", "_orig_torch_empty", "partitioned_param_data_shape", "register_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+           "_orig_torch_arange", "_orig_torch_empty", "partitioned_param_data_shape",
+           "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor",
+           "_contradicting_single_rank_pg_error"]
 
 # DeepSpeed's names for the unwrapped constructors (zerotrain's Init replaces neither)
 _orig_torch_arange = torch.arange

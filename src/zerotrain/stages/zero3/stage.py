@@ -346,17 +346,19 @@ class PartitionedDataParallel(BucketedStage):
                            master=master, optimizer_state={}, group_index=FROZEN)
 
     # ------------------------------------------------------------------ offload_states
-    def movable_states(self) -> dict[str, list[torch.Tensor]]:
+    def movable_states(self, resident_only: bool = True) -> dict[str, list[torch.Tensor]]:
         """Masters and their state where they are on the device (not offloaded, or kept by
         ``offload_optimizer.ratio``), the parameter-dtype shards (with the full parameters
         of persistent units and int8 frozen chunks) unless ``offload_param`` keeps them on
-        the host, and the gradient buffers."""
-        on_device = [not place.steps_on_host() for place in self._master_storage]
+        the host, and the gradient buffers; all of them, wherever they are, unless
+        ``resident_only``."""
+        on_device = [not resident_only or not place.steps_on_host()
+                     for place in self._master_storage]
         masters = [u.master for u, here in zip(self.units, on_device) if here]
         views = [m for m, place in zip(self._masters, self._record_storage)
-                 if not place.steps_on_host()]
+                 if not resident_only or not place.steps_on_host()]
         params: list[torch.Tensor] = []
-        if not self.param_storage.steps_on_host():
+        if not resident_only or not self.param_storage.steps_on_host():
             params = ([u.shard for u in self.units]
                       + [u.frozen.packed for u in self.units if u.frozen is not None]
                       + [u.full for u in self.units if u.spec.persistent])

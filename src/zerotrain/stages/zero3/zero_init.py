@@ -23,9 +23,10 @@ Note: the same weights through transformers' ZeRO-3 path
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -38,6 +39,31 @@ from .writes import (PartitionedWrites, bound_initializers, per_module_initializ
 
 _state = threading.local()
 _MISSING = object()
+
+
+def _contradicting_single_rank_pg_error(dp_world_size: int, explicit_process_group: Any,
+                                        env: Optional[Mapping[str, Any]] = None
+                                        ) -> Optional[str]:
+    """The error for a one-rank group under a launcher that started several processes
+    (DeepSpeed's name), else None. A size-1 process group made before ``zero.Init`` (a
+    library initialising torch.distributed first) would have every rank keep whole
+    parameters: no partitioning, each rank out of memory with a model that fits sharded.
+    A group passed explicitly is taken as meant; a missing or malformed ``WORLD_SIZE``
+    is not a launcher's."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE", "0") or "0")
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init: the process group has 1 rank but the launcher started "
+            f"WORLD_SIZE={launched} processes, so every rank would keep whole parameters; "
+            "torch.distributed was initialised with a one-rank group before zero.Init "
+            "(call deepspeed.init_distributed() before building the model, or pass "
+            "data_parallel_group= if one rank is meant)")
 
 
 def _all_module_classes() -> set[type]:
@@ -88,6 +114,9 @@ class Init:
             return self
         init_distributed(verbose=False)
         self.comm = Communicator(self.group)
+        contradiction = _contradicting_single_rank_pg_error(self.comm.world_size, self.group)
+        if contradiction is not None:
+            raise StateError(contradiction)
         for cls in _all_module_classes() | {nn.Module}:
             if "__init__" in cls.__dict__:
                 self._patch(cls, "__init__", self._wrap_init(cls.__dict__["__init__"]))

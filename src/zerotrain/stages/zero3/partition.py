@@ -104,9 +104,14 @@ class ChunkTensor(torch.Tensor):
 
 
 def chunk_view(chunk: torch.Tensor, name: str,
-               on_rebind: Optional[Callable[[], None]] = None) -> ChunkTensor:
+               on_rebind: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """``chunk`` (a view of a unit's shard) as the ``ds_tensor`` of parameter ``name``;
-    ``on_rebind`` is called after each assignment to its ``.data``."""
+    ``on_rebind`` is called after each assignment to its ``.data``.
+
+    A chunk that is already a tensor subclass (the planner's fake tensors, which torch
+    cannot re-wrap as another subclass) is returned as it is: nobody writes through it."""
+    if type(chunk) is not torch.Tensor:
+        return chunk
     view = chunk.as_subclass(ChunkTensor)
     view.ds_param_name = name
     view.ds_on_rebind = on_rebind

@@ -238,9 +238,36 @@ class BiasOut(nn.Linear):
         return (out, self.bias[None]) if self.view else Returned(out, self.bias)
 
 
+class ScaleOut(nn.Module):
+    """An elementwise scale that returns its shift for the caller to add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, WIDTH))
+
+    def forward(self, x):
+        return x * self.weight, self.bias
+
+
+class AddsShift(nn.Module):
+    """A block (its own unit) that uses the shift its ``ScaleOut`` returns: the use is
+    inside the unit's forward, which holds the unit already (nothing to pin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = ScaleOut()
+
+    def forward(self, h):
+        v, b = self.scale(h)
+        return torch.tanh(v * b + b)
+
+
 class ReturnsBias(nn.Module):
-    """Two ``BiasOut`` whose returned biases (one frozen, one trained) are used by this module's forward, inside the checkpointed region for ``mode``
-    "torch" and "zerotrain", and saved for backward (``v * b``)."""
+    """Two ``BiasOut`` whose returned biases (one frozen, one trained) are used by this
+    module's forward, inside the checkpointed region for ``mode`` "torch" and
+    "zerotrain", and saved for backward (``v * b``); then a block that uses a returned
+    shift inside its own unit."""
 
     def __init__(self, mode: str) -> None:
         super().__init__()
@@ -248,14 +275,14 @@ class ReturnsBias(nn.Module):
         self.inp = nn.Linear(R.IN, WIDTH)
         self.frozen, self.trained = BiasOut(WIDTH, False), BiasOut(WIDTH, True)
         self.frozen.bias.requires_grad_(False)
+        self.blocks = nn.ModuleList([AddsShift()])
         self.out = nn.Linear(WIDTH, R.OUT)
 
     def _inner(self, h):
         r = self.frozen(h)
         h = torch.tanh(r.out * r.bias + r.bias)
         v, b = self.trained(h)
-        h = torch.tanh(v * b + b)
-        return h
+        return self.blocks[0](torch.tanh(v * b + b))
 
     def forward(self, x, y):
         import zerotrain

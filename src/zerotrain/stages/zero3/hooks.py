@@ -89,7 +89,7 @@ def _before_forward(scheduler: UnitScheduler, index: int, module: nn.Module,
 def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args: Any,
                    output: Any) -> None:
     for returned in returned_units(output):   # Note: returned parameters (scheduler.py)
-        scheduler.pin(returned)
+        scheduler.pin(returned, index)
     if not scheduler.leave(index) or not torch.is_grad_enabled():
         return
     fired = []

@@ -67,6 +67,10 @@ Note: returned parameters
     (or, for a forward without grad, until the next pass starts), whatever the caller does
     with it, an activation checkpoint's recomputation included. DeepSpeed likewise keeps
     such a parameter gathered and registers it in the caller's ``_external_params``.
+    A caller inside the unit's own forward (a block whose linear returns its bias for the
+    block to add, Megatron's ``skip_bias_add``) pins nothing: a module of the unit is still
+    in its forward (its depth, Note: entry points), or the unit is held for its backward
+    (a recomputation inside it), and its forward and backward hold it for that use.
 """
 from __future__ import annotations
 
@@ -195,10 +199,12 @@ class UnitScheduler:
         else:
             self._let_go(index)
 
-    def pin(self, index: int) -> None:
-        """A parameter of the unit left a forward in its output (Note: returned
-        parameters): keep the unit gathered (gather it if it is not) until backward ends,
-        or the next pass starts when no backward can follow."""
+    def pin(self, index: int, leaving: int) -> None:
+        """A parameter of unit ``index`` is in the output of a module of unit ``leaving``
+        (Note: returned parameters): keep the unit gathered (gather it if it is not) until
+        backward ends, or the next pass starts when no backward can follow."""
+        if self._depth[index] > (1 if index == leaving else 0) or index in self._backward_held:
+            return   # used inside the unit's own forward or backward: they hold it already
         with_grad = torch.is_grad_enabled()
         if index in self._pinned:
             self._pinned[index] = self._pinned[index] or with_grad

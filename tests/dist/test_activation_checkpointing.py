@@ -308,7 +308,7 @@ def _returned_bias(rank, world):
                 config=_config(stage, stage3_param_persistence_threshold=0,
                                stage3_max_reuse_distance=0))
             losses = []
-            for step in range(STEPS):
+            for step in range(2):   # the second follows the first pass's trace
                 loss = engine(*R.micro_batch(step, rank, 0))
                 engine.backward(loss)
                 engine.step()

@@ -215,3 +215,124 @@ def _called_twice(rank, world):
 def test_a_unit_kept_after_forward_and_used_again_is_released_after_its_gradients(worlds):
     # the same hand-over of a kept unit that a checkpointed block's recomputation needs
     assert worlds.run(2, _called_twice) == [[], []]
+
+
+class Returned:
+    """A plain object holding a module's outputs."""
+
+    def __init__(self, out, bias) -> None:
+        self.out, self.bias = out, bias
+
+
+class BiasOut(nn.Linear):
+    """Returns its bias beside its output, for the caller to use (DeepSpeed's external
+    parameters): as a view in a tuple or whole in a plain object. At stage 3 the caller
+    must find it gathered, in forward and in backward."""
+
+    def __init__(self, width: int, view: bool) -> None:
+        super().__init__(width, width)
+        self.view = view
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        return (out, self.bias[None]) if self.view else Returned(out, self.bias)
+
+
+class ScaleOut(nn.Module):
+    """An elementwise scale that returns its shift for the caller to add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, WIDTH))
+
+    def forward(self, x):
+        return x * self.weight, self.bias
+
+
+class AddsShift(nn.Module):
+    """A block (its own unit) that uses the shift its ``ScaleOut`` returns: the use is
+    inside the unit's forward, which holds the unit already (nothing to pin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = ScaleOut()
+
+    def forward(self, h):
+        v, b = self.scale(h)
+        return torch.tanh(v * b + b)
+
+
+class ReturnsBias(nn.Module):
+    """Two ``BiasOut`` whose returned biases (one frozen, one trained) are used by this
+    module's forward, inside the checkpointed region for ``mode`` "torch" and
+    "zerotrain", and saved for backward (``v * b``); then a block that uses a returned
+    shift inside its own unit."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(R.IN, WIDTH)
+        self.frozen, self.trained = BiasOut(WIDTH, False), BiasOut(WIDTH, True)
+        self.frozen.bias.requires_grad_(False)
+        self.blocks = nn.ModuleList([AddsShift()])
+        self.out = nn.Linear(WIDTH, R.OUT)
+
+    def _inner(self, h):
+        r = self.frozen(h)
+        h = torch.tanh(r.out * r.bias + r.bias)
+        v, b = self.trained(h)
+        return self.blocks[0](torch.tanh(v * b + b))
+
+    def forward(self, x, y):
+        import zerotrain
+        h = self.inp(x)
+        if self.mode == "zerotrain":
+            h = zerotrain.checkpointing.checkpoint(self._inner, h)
+        elif self.mode == "torch":
+            h = torch.utils.checkpoint.checkpoint(self._inner, h, use_reentrant=False)
+        else:
+            h = self._inner(h)
+        return F.mse_loss(self.out(h), y)
+
+
+def _returned_bias(rank, world):
+    import zerotrain
+    out = {}
+    for stage, mode in [(0, "off"), (3, "off"), (3, "torch"), (3, "zerotrain")]:
+        with _restored_checkpointing():
+            torch.manual_seed(0)
+            model = ReturnsBias(mode)
+            engine, *_ = zerotrain.initialize(
+                model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                config=_config(stage, stage3_param_persistence_threshold=0,
+                               stage3_max_reuse_distance=0))
+            losses = []
+            for step in range(2):   # the second follows the first pass's trace
+                loss = engine(*R.micro_batch(step, rank, 0))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            held = []   # after backward; after 1, 2 forwards without grad: (unit, holders)
+            for _ in range(3 if stage == 3 else 0):
+                held.append(sorted((u.spec.name, u._holders) for u in engine.stage.scheduler.units
+                                   if not u.spec.persistent and u.full.untyped_storage().nbytes()))
+                with torch.no_grad():
+                    engine(*R.micro_batch(0, rank, 0))
+            with zerotrain.zero.GatheredParameters(list(model.parameters())):
+                params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[(stage, mode)] = {"losses": losses, "params": params, "held": held}
+    return out
+
+
+def test_a_parameter_a_module_returns_trains_like_stage_0(worlds):
+    # the caller of a module that returns its bias uses it after the module's forward (its
+    # unit's release) and in backward, checkpointed or not
+    for rank, runs in enumerate(worlds.run(2, _returned_bias)):
+        plain = runs[(0, "off")]
+        for case, res in runs.items():
+            assert R.max_diff(plain["params"], res["params"]) < 1e-6, (rank, case)
+            assert res["losses"] == pytest.approx(plain["losses"], rel=1e-6), (rank, case)
+            # released when backward ends; a forward without grad keeps them to the next pass
+            pinned = [("frozen", 1), ("trained", 1)]
+            assert res["held"] == ([] if case[0] == 0 else [[], pinned, pinned]), (rank, case)

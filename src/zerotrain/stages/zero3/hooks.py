@@ -88,6 +88,8 @@ def _before_forward(scheduler: UnitScheduler, index: int, module: nn.Module,
 
 def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args: Any,
                    output: Any) -> None:
+    for returned in returned_units(output):   # Note: returned parameters (scheduler.py)
+        scheduler.pin(returned, index)
     if not scheduler.leave(index) or not torch.is_grad_enabled():
         return
     fired = []
@@ -108,6 +110,21 @@ def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args
             tensor.grad_fn.register_prehook(lambda grad_outputs: on_grad(None))
         else:
             tensor.register_hook(on_grad)
+
+
+def returned_units(output: Any) -> set[int]:
+    """The non-persistent units whose parameters (or views of them) are in ``output``."""
+    found: set[int] = set()
+    tensors = list(_tensors(output))
+    if not tensors and hasattr(output, "__dict__") and not isinstance(output, nn.Module):
+        # a plain object holding the outputs, as DeepSpeed also looks into
+        tensors = [v for v in vars(output).values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        param = tensor if isinstance(tensor, nn.Parameter) else tensor._base
+        unit = getattr(param, "ds_unit", None)
+        if unit is not None and not unit.spec.persistent:
+            found.add(unit.spec.index)
+    return found
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -54,6 +54,23 @@ Note: trace and prefetch
     backward comes right away) is kept instead of released and re-gathered. The kept hold
     passes to that next use, a backward or another forward (a module called twice, or
     recomputed by activation checkpointing inside backward).
+
+Note: returned parameters
+    A module may return one of its parameters (DeepSpeed's "external parameters": a linear
+    returning its bias for the caller to add later). The units are planned from the
+    parameters each module owns or registers (``unit_specs.py``), so nothing tells the
+    plan that the caller uses the parameter after the module's forward, where its unit
+    would be released and the caller would read an empty tensor; and the caller's own
+    backward, which may have saved it, runs before the module's backward gathers the unit
+    again. So the post-forward hook looks for parameters (or views of one) in the output
+    and pins their unit (``pin``): it stays gathered until the micro-step's backward ends
+    (or, for a forward without grad, until the next pass starts), whatever the caller does
+    with it, an activation checkpoint's recomputation included. DeepSpeed likewise keeps
+    such a parameter gathered and registers it in the caller's ``_external_params``.
+    A caller inside the unit's own forward (a block whose linear returns its bias for the
+    block to add, Megatron's ``skip_bias_add``) pins nothing: a module of the unit is still
+    in its forward (its depth, Note: entry points), or the unit is held for its backward
+    (a recomputation inside it), and its forward and backward hold it for that use.
 """
 from __future__ import annotations
 
@@ -109,6 +126,7 @@ class UnitScheduler:
                             if any(not p.requires_grad for p in u.spec.params)}
         self._inputs_done: set[int] = set()
         self._depth = [0] * len(units)           # Note: entry points
+        self._pinned: dict[int, bool] = {}       # Note: returned parameters (-> with grad)
         self._in_backward = False
         self.peak_live_numel = 0  # high-water mark of gathered (non-persistent) elements
         self.after_forward_numel = 0       # gathered when the last backward began
@@ -123,6 +141,10 @@ class UnitScheduler:
         for index in sorted(self._kept):
             self._let_go(index)
         self._kept.clear()
+        for index, with_grad in sorted(self._pinned.items()):
+            if not with_grad:   # no backward will read it: the last pass is over
+                del self._pinned[index]
+                self._let_go(index)
         if self._recording:
             forward = self._recording_forward
             self._trace_forward = len(self._recording) if forward is None else forward
@@ -138,6 +160,7 @@ class UnitScheduler:
                 unit.drop_holders()
                 unit.release()
         self._kept.clear()
+        self._pinned.clear()
         self._backward_held.clear()
         self._arrived.clear()
         self._expects_inputs.clear()
@@ -175,6 +198,19 @@ class UnitScheduler:
             self._kept.add(index)
         else:
             self._let_go(index)
+
+    def pin(self, index: int, leaving: int) -> None:
+        """A parameter of unit ``index`` is in the output of a module of unit ``leaving``
+        (Note: returned parameters): keep the unit gathered (gather it if it is not) until
+        backward ends, or the next pass starts when no backward can follow."""
+        if self._depth[index] > (1 if index == leaving else 0) or index in self._backward_held:
+            return   # used inside the unit's own forward or backward: they hold it already
+        with_grad = torch.is_grad_enabled()
+        if index in self._pinned:
+            self._pinned[index] = self._pinned[index] or with_grad
+            return
+        self._pinned[index] = with_grad
+        self._acquire(index)
 
     def expect_inputs_backward(self, index: int) -> None:
         """The unit's forward had inputs that require grad (Note: end of a unit's backward)."""

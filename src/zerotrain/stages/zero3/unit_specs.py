@@ -7,7 +7,9 @@ Note: units
     the first that reaches it in ``named_modules`` order, so a tied or shared parameter is
     partitioned and gathered once. A module that uses a parameter owned by another unit (a
     head tied to the embedding, or a parameter announced by ``register_external_parameter``)
-    makes that unit a *dependency*: it is gathered whenever the module's unit is.
+    makes that unit a *dependency*: it is gathered whenever the module's unit is. A
+    parameter a module returns to its caller is not planned here: the hooks keep its unit
+    gathered from that return on (``scheduler.py``, Note: returned parameters).
 
     Parameters smaller than the persistence threshold are not gathered per use: they form a
     persistent unit beside their unit, kept whole on every rank. Frozen parameters belong to

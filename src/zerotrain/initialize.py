@@ -47,7 +47,7 @@ from .engine.optimizer_choice import (no_optimizer, optimizer_factory, scheduler
                                       trainable_groups)
 from .engine.ownership import close_stage, open_stage_of
 from .engine.resume import auto_resume
-from .errors import ConfigError, StateError
+from .errors import ConfigError
 from .optim import check_client_optimizer
 from .core.precision import PrecisionPolicy
 from .utils import register_engine
@@ -93,11 +93,6 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if model is None:
         raise ConfigError("model", "initialize() needs model=")
     refuse_precompiled(model)
-    held = open_stage_of(model)
-    if held is not None:   # Note: one open engine per model (engine/ownership.py)
-        raise StateError(f"parameter {held[0]!r} is already trained by an open zerotrain "
-                         "engine (its hooks would take this engine's gradients); call "
-                         "destroy() on that engine first, or build a new model")
     if mpu is not None:
         raise ConfigError("mpu", "model parallelism (mpu) is not supported; zerotrain is "
                           "data parallel")
@@ -117,7 +112,15 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
     policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
     check_recorded(model, cfg.tensor_parallel.size, policy.param_dtype)   # tp_model_init
-    _check_sections(cfg, optimizer, lr_scheduler)
+    cfg = _check_sections(cfg, optimizer, lr_scheduler)
+    held = open_stage_of(model)
+    if held is not None:   # Note: one open engine per model (engine/ownership.py)
+        if dist.get_rank() == 0:
+            warnings.warn(f"this model (parameter {held[0]!r}) is trained by an open zerotrain "
+                          "engine: initialize() closes that engine and takes the model over; "
+                          "the earlier engine refuses further training",
+                          ZeroTrainConfigWarning, stacklevel=_user_stacklevel())
+        release_model(model)
     if optimizer is not None:
         check_client_optimizer(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
     inference = optimizer is None and cfg.optimizer is None   # an engine for forward only
@@ -229,17 +232,27 @@ def _comms_timeout(source) -> Optional[datetime.timedelta]:
     return None
 
 
-def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> None:
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("optimizer", "given both in the config and as initialize("
-                          "optimizer=...); remove one")
+def _check_sections(cfg: ZeroTrainConfig, optimizer, lr_scheduler) -> ZeroTrainConfig:
+    """The config with the sections ``initialize``'s arguments replace: a client optimizer
+    or scheduler wins over the config's section, as in DeepSpeed, with a warning naming
+    the section set aside."""
+    ignored = [name for name, client, section in (
+        ("optimizer", optimizer, cfg.optimizer), ("scheduler", lr_scheduler, cfg.scheduler))
+        if client is not None and section is not None]
+    if ignored and dist.get_rank() == 0:
+        warnings.warn("the config's " + " and ".join(repr(n) for n in ignored)
+                      + (" sections are" if len(ignored) > 1 else " section is")
+                      + " not used: initialize() was given "
+                      + " and ".join(f"{n}=" if n == "optimizer" else "lr_scheduler="
+                                     for n in ignored) + ", which take precedence",
+                      ZeroTrainConfigWarning, stacklevel=_user_stacklevel())
+    if ignored:
+        cfg = cfg.model_copy(update={n: None for n in ignored})
     if optimizer is None and cfg.optimizer is None and (
             lr_scheduler is not None or cfg.scheduler is not None):
         raise ConfigError("optimizer", "missing, but a scheduler needs one: add an "
                           "'optimizer' section to the config or pass initialize(optimizer=...)")
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("scheduler", "given both in the config and as initialize("
-                          "lr_scheduler=...); remove one")
+    return cfg
 
 
 def release_model(model: nn.Module) -> bool:
@@ -248,8 +261,12 @@ def release_model(model: nn.Module) -> bool:
     held = open_stage_of(model)
     if held is None:
         return False
-    held[1].settle()
-    close_stage(held[1], model)
+    engine = getattr(held[1], "zerotrain_engine", lambda: None)()
+    if engine is not None:
+        engine.close()   # waits for its asynchronous save too
+    else:
+        held[1].settle()
+        close_stage(held[1], model)
     return True
 
 

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -74,33 +75,47 @@ def test_initialize_returns_deepspeed_tuple_and_accessors(worlds):
 def _client_objects(rank, world):
     import zerotrain
     results = {}
-    for kind in ("config", "client"):
+    for kind in ("config", "client", "both"):
         model = R.make_model()
         config = R.engine_config(stage=2)
         optimizer = None
         scheduler = None
         if kind == "client":
             config.pop("optimizer")
+        if kind == "both":   # as in DeepSpeed, the client's objects win, with a warning
+            config["optimizer"]["params"]["lr"] = 0.5
+            config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+        if kind != "config":
             optimizer = R.adamw(model.parameters())
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-        engine, opt, _, sched = zerotrain.initialize(model=model, optimizer=optimizer,
-                                                     lr_scheduler=scheduler, config=config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine, opt, _, sched = zerotrain.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        results[f"{kind}_warnings"] = [str(w.message) for w in caught
+                                       if "take precedence" in str(w.message)]
         R.train_engine(engine, steps=3, rank=rank, ga=1)
         results[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        if kind == "client":
-            results["same_object"] = opt.optimizer is optimizer and sched is scheduler
-            results["lr"] = engine.get_lr()[0]
+        if kind != "config":
+            results[f"{kind}_same_object"] = opt.optimizer is optimizer and sched is scheduler
+            results[f"{kind}_lr"] = engine.get_lr()[0]
             results["params_are_shards"] = all(
                 p.dim() == 1 for g in optimizer.param_groups for p in g["params"])
     return results
 
 
 def test_client_optimizer_and_scheduler_are_retargeted_at_the_shards(worlds):
-    for res in worlds.run(2, _client_objects):
-        assert res["same_object"] and res["params_are_shards"]
-        assert res["lr"] == pytest.approx(1e-2 / 4)  # LambdaLR stepped at each of 3 steps
+    for rank, res in enumerate(worlds.run(2, _client_objects)):
+        assert res["client_same_object"] and res["both_same_object"]
+        assert res["params_are_shards"]
+        assert res["client_lr"] == res["both_lr"] == pytest.approx(1e-2 / 4)  # LambdaLR, 3 steps
         # LambdaLR lowers the lr after step 1, so the runs differ only from step 2 on
         assert R.max_diff(res["config"], res["client"]) > 0
+        assert R.max_diff(res["client"], res["both"]) == 0.0   # the config's sections unused
+        assert res["config_warnings"] == res["client_warnings"] == []
+        assert len(res["both_warnings"]) == (rank == 0), res["both_warnings"]
+        if rank == 0:
+            assert "'optimizer' and 'scheduler' sections are not used" in res["both_warnings"][0]
 
 
 def _groups_and_frozen(rank, world):

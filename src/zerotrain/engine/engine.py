@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -102,6 +103,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                            or (config.bf16.enabled and config.bf16.auto_cast))
         if not self.inference_only or stage.partitions_parameters:
             claim(stage, module)   # Note: one open engine per model
+            stage.zerotrain_engine = weakref.ref(self)   # closed by a new initialize
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -109,6 +111,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         """Run the module; floating inputs are cast to the parameter dtype only when
         ``fp16.auto_cast`` (DeepSpeed's) or ``bf16.auto_cast`` (zerotrain's opt-in) is set,
         and otherwise reach the module as given, as in DeepSpeed."""
+        self._refuse_closed("forward()")
         moved_states.refuse_while_away(self._moved, "forward()", parameters_only=True)
         with self._timers.time("forward"):
             if self._auto_cast:
@@ -125,6 +128,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of one micro-step: divides by the accumulation steps, scales for fp16,
         and leaves the gradient reduced (or accumulated) in the stage's buffers."""
+        self._refuse_closed("backward()")
         self._refuse_without_optimizer("backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise StateError(f"backward() needs a scalar loss tensor, got "
@@ -182,6 +186,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
+        self._refuse_closed("step()")
         self._refuse_without_optimizer("step()")
         moved_states.refuse_while_away(self._moved, "step()")
         if self._coalescing:
@@ -206,6 +211,12 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         """Built without an optimizer (no ``optimizer`` section, no ``initialize(optimizer=)``):
         forward, evaluation, generation and checkpoint loading only, as in DeepSpeed."""
         return isinstance(self.stage.optimizer, InferenceOnlyOptimizer)
+
+    def _refuse_closed(self, call: str) -> None:
+        if getattr(self.stage, "zerotrain_closed", False):
+            raise StateError(f"{call} on a closed engine: destroy() or close() was called, or "
+                             "a later initialize() took its model over; train with the "
+                             "engine that initialize() returned last")
 
     def _refuse_without_optimizer(self, call: str) -> None:
         if self.inference_only:

@@ -5,10 +5,11 @@ Note: one open engine per model
     at stage 3 the gathers too) until ``close()``/``destroy()`` removes them. A second
     engine over the same parameters while the first is open would have its gradients
     taken by the first one's hooks, so each parameter records the stage that hooks it
-    (``_zerotrain_stage``, a weak reference) and ``initialize`` refuses a model that
-    one still holds (``open_stage_of``). After ``close()`` the model can be given to a new
-    engine at any stage: below stage 3 its parameters are whole and current; at stage 3
-    they stay partitioned, as after ``zero.Init``.
+    (``_zerotrain_stage``, a weak reference) and ``initialize`` closes the engine that
+    still holds a model it is given (``open_stage_of``; DeepSpeed lets a second engine take
+    the same module), after which the closed engine refuses to train. After ``close()`` the
+    model can be given to a new engine at any stage: below stage 3 its parameters are whole
+    and current; at stage 3 they stay partitioned, as after ``zero.Init``.
 """
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory",), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
-                "fingerprint", "optimizer_choice", "accumulation", "optimizer_views"),
+                "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }

@@ -58,6 +58,12 @@ class ContextMisuseError(StateError, AssertionError):
     both, and a StateError."""
 
 
+class UnusedParameterError(StateError, AssertionError):
+    """A trainable parameter got no gradient in an accumulation window while
+    ``zero_optimization.ignore_unused_parameters`` is false; raised on every rank. DeepSpeed
+    asserts it, so this is also an ``AssertionError``."""
+
+
 class LossValueError(ZeroTrainError, ValueError, AssertionError):
     """A loss that is not one number where one is needed (``engine.scale``). DeepSpeed
     asserts it, so this is also an ``AssertionError``."""

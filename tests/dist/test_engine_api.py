@@ -196,6 +196,60 @@ def test_misuse_is_a_clear_error_on_every_rank(worlds):
         assert "zero_optimisation" in res["misspelt"] and "zero_optimization" in res["misspelt"]
 
 
+def _unused(rank, world):
+    """``ignore_unused_parameters: false`` at stages 1 and 2: a parameter that got no
+    gradient on one rank stops the step on every rank, naming it where it happened; the
+    window is dropped and training goes on; with the key true nothing is checked."""
+    import torch
+    import zerotrain
+    from zerotrain.errors import UnusedParameterError
+
+    class WithSide(R.TinyNet):
+        def __init__(self):
+            super().__init__()
+            self.side = torch.nn.Linear(R.OUT, 1)
+
+        def forward(self, x, y, side=True):
+            loss = super().forward(x, y)
+            return loss + 0.01 * self.side(y).sum() if side else loss
+
+    out = {}
+    for stage in (1, 2):
+        for ignore in (False, True):
+            torch.manual_seed(0)
+            config = R.engine_config(stage=stage, ga=2)
+            config["zero_optimization"]["ignore_unused_parameters"] = ignore
+            engine, *_ = zerotrain.initialize(model=WithSide(), config=config)
+            seen = []
+            for step, skip_on in enumerate((None, 1, None, 0)):
+                try:
+                    for micro in range(2):   # the side branch is skipped in both micro-steps
+                        x, y = R.micro_batch(step, rank, micro)
+                        engine.backward(engine(x, y, side=rank != skip_on))
+                        engine.step()
+                    seen.append("stepped")
+                except UnusedParameterError as exc:
+                    assert isinstance(exc, AssertionError)
+                    seen.append(str(exc))
+            out[(stage, ignore)] = seen
+            engine.close()
+    return out
+
+
+def test_unused_parameters_are_an_error_on_every_rank_when_asked(worlds):
+    for rank, res in enumerate(worlds.run(2, _unused)):
+        for stage in (1, 2):
+            assert res[(stage, True)] == ["stepped"] * 4
+            seen = res[(stage, False)]
+            assert seen[0] == seen[2] == "stepped", seen
+            for skip_on, message in ((1, seen[1]), (0, seen[3])):
+                assert "ignore_unused_parameters" in message, message
+                if rank == skip_on:
+                    assert f"on rank {rank}: 'side.weight', 'side.bias'" in message, message
+                else:
+                    assert "another rank" in message, message
+
+
 def _mismatched_model(rank, world):
     import zerotrain
     model = R.make_model()

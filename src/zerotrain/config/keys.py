@@ -38,7 +38,7 @@ _UNIMPLEMENTED_NAMES = {
     # DeepSpeed takes both the stage3_ alias and the bare field name of its stage-3 options.
     "zero_optimization": """cpu_offload cpu_offload_param cpu_offload_params
         cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks
-        ignore_unused_parameters legacy_stage1 load_from_fp32_weights
+        legacy_stage1 load_from_fp32_weights
         log_trace_cache_warnings memory_efficient_linear mics_hierarchical_params_gather
         override_module_apply pipeline_loading_checkpoint round_robin_gradients
         save_muon_momentum_buffer_in_memory use_multi_rank_bucket_allreduce zenflow

@@ -87,6 +87,7 @@ class ZeroConfig(_Section):
     stage3_max_reuse_distance: Count = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
     sub_group_size: Size = 1_000_000_000
+    ignore_unused_parameters: bool = True   # False: a parameter with no gradient is an error
     offload_optimizer: Optional[OffloadConfig] = None
     offload_param: Optional[OffloadConfig] = None
     # ZeRO++ and MiCS (stage 3; docs/multinode.md)

@@ -36,7 +36,8 @@ from .accumulation import EngineAccumulation
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
-from ..errors import ContextMisuseError, LossValueError, NonFiniteGradientError, StateError
+from ..errors import (ContextMisuseError, LossValueError, NonFiniteGradientError, StateError,
+                      UnusedParameterError)
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
@@ -46,6 +47,7 @@ from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from ..stages.base import Stage, StepOutcome
 from .throughput import ThroughputTimer
 from .timers import StepTimers
+from .unused import refuse_unused_parameters
 from ..utils import gradient_norms_by_group
 
 logger = logging.getLogger(__name__)
@@ -201,7 +203,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             try:
                 if self.is_gradient_accumulation_boundary():
                     self._take_model_step(lr_kwargs or {})
-            except NonFiniteGradientError:   # counted as skipped: the window is over
+            except (NonFiniteGradientError, UnusedParameterError):   # the window is over
                 self._end_micro_step()
                 raise
             self._end_micro_step()
@@ -268,6 +270,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                              "would use this rank's alone; run the window's last backward "
                              "outside no_sync, then step")
         self.settle(before_step=True)
+        if (not self.config.zero_optimization.ignore_unused_parameters
+                and hasattr(self.stage, "unused_parameters")):
+            try:
+                refuse_unused_parameters(self.stage, self.comm, self.global_steps + 1)
+            except UnusedParameterError:
+                self.stage.zero_grad()
+                self._backward_in_window = False
+                raise
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
         self._last_outcome = outcome

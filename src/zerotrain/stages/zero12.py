@@ -105,6 +105,7 @@ class ShardedDataParallel(BucketedStage):
                                     accum_dtype=policy.grad_accum_dtype, device=self.device,
                                     overlap=plan.overlap_comm, comm_dtype=policy.reduce_dtype,
                                     on_reduced=self.record_reduced)
+        self._grads_seen: set[tuple[int, int]] = set()   # (group, index) since the update
         self._hooks = [
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
             for g, group in enumerate(self.groups) for i, param in enumerate(group.params)]
@@ -154,6 +155,17 @@ class ShardedDataParallel(BucketedStage):
         self.buckets.begin(self._boundary)
         self.buckets.add(g, index, param.grad)
         param.grad = None
+        self._grads_seen.add((g, index))
+
+    def unused_parameters(self) -> list[str]:
+        """The trained parameters that got no gradient since the last update (or
+        ``zero_grad``), by name, in group order."""
+        return [name for g, group in enumerate(self.groups)
+                for i, name in enumerate(group.names) if (g, i) not in self._grads_seen]
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._grads_seen.clear()
 
     # ------------------------------------------------------------------ step
     def publish_record(self, k: int) -> None:

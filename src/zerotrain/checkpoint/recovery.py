@@ -2,7 +2,7 @@
 
 Why: DeepSpeed copies its ``zero_to_fp32.py`` into every save directory, so whoever holds
 only the folder can still get the full weights (``python zero_to_fp32.py . out``). zerotrain
-writes a script of that name and use that does the same through zerotrain's pickle-free
+writes a script of that name and usage that does the same through zerotrain's pickle-free
 reader (:func:`~zerotrain.checkpoint.convert_zero_checkpoint_to_fp32_state_dict`: fp32
 safetensors in the Hugging Face layout). It needs zerotrain installed where it runs.
 
@@ -75,7 +75,7 @@ def write_script(save_dir: str) -> None:
     try:
         if os.path.isfile(dst) and not os.path.islink(dst):
             with open(dst, encoding="utf-8", errors="replace") as f:
-                if f.read() == SCRIPT:
+                if f.read(len(SCRIPT) + 1) == SCRIPT:
                     change_permissions(dst)
                     return
         with open(tmp, "w", encoding="utf-8") as f:

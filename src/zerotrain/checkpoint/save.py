@@ -102,7 +102,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
         if comm.rank == 0:   # rank 0's records are everyone's (checked by _raise_first)
             module_part = _module_tensors(state.module, local["records"], exclude_frozen)
             manifest = _manifest(state, tag, local["records"], small)
-            if state.stage_index < 3:   # every rank holds the whole module: no gather
+            if _whole_module_on_every_rank(state):   # DeepSpeed's module file, no gather
                 module_part.deepspeed = module_file.live_module_state(
                     state.module, exclude_frozen_parameters=exclude_frozen)
             fs.require_dir(save_dir)
@@ -333,6 +333,13 @@ class ModulePart:
                      {k: staged[f"deepspeed/{k}"] for k in self.deepspeed})
         return ModulePart({k: staged[f"module/{k}"] for k in self.tensors}, self.frozen,
                           self.buffers, self.excluded, deepspeed)
+
+
+def _whole_module_on_every_rank(state: TrainingState) -> bool:
+    """Stages 0-2 without tensor parallelism (which leaves rank 0 a slice of a split
+    layer): then rank 0's module is the model, and DeepSpeed's module file is written."""
+    return (state.stage_index < 3
+            and getattr(state.stage, "tensor_parallel_world_size", 1) == 1)
 
 
 def _frozen_records(state: TrainingState, exclude_frozen: bool) -> list:

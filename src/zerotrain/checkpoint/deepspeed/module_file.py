@@ -2,7 +2,8 @@
 
 Why: scripts written for DeepSpeed read the module's weights straight from that file after
 a save (``torch.load(".../mp_rank_00_model_states.pt")["module"]``). Below stage 3 every
-rank holds the whole module, so rank 0 writes it as DeepSpeed does, with no gather: the
+rank holds the whole module (tensor parallelism aside: there no file is written), so rank
+0 writes it as DeepSpeed does, with no gather: the
 module's ``state_dict()`` in its training dtype (frozen parameters left out with
 ``exclude_frozen_parameters``), ``param_shapes``, ``buffer_names``, the counters and
 ``dp_world_size`` (the fields of ``write.model_states``). At stage 3 DeepSpeed's per-rank

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 
 SCRIPT_NAME = "zero_to_fp32.py"
 
@@ -71,7 +72,7 @@ def write_script(save_dir: str) -> None:
     """Rank 0, after publishing: ``save_dir/zero_to_fp32.py`` (replaced whole through a
     temporary file and a rename, then made executable). Failures are logged, not raised."""
     dst = os.path.join(save_dir, SCRIPT_NAME)
-    tmp = f"{dst}.tmp-{os.getpid()}"
+    tmp = f"{dst}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         if os.path.isfile(dst) and not os.path.islink(dst):
             with open(dst, encoding="utf-8", errors="replace") as f:

@@ -62,7 +62,8 @@ def test_async_save_holds_the_state_at_the_call_and_resumes_exactly(worlds, tmp_
     for res in worlds.run(2, _snapshot_job, str(tmp_path), stage):
         assert res["pending"] and res["reused"], res
         assert res["at_save"] == 0.0 and res["continued"] == 0.0, res
-        assert res["latest"] == "second" and res["left"] == ["first", "latest", "second"], res
+        assert res["latest"] == "second" and res["left"] == ["first", "latest", "second",
+                                                               "zero_to_fp32.py"], res
 
 
 @contextlib.contextmanager
@@ -104,7 +105,7 @@ def test_a_failed_background_write_raises_on_every_rank_and_publishes_nothing(wo
     for res in worlds.run(2, _failing_job, str(tmp_path)):
         assert res["message"] and "rank 1" in res["message"], res
         assert "No space left" in res["message"] and "not published" in res["message"], res
-        assert res["latest"] == "good" and res["left"] == ["good", "latest"], res
+        assert res["latest"] == "good" and res["left"] == ["good", "latest", "zero_to_fp32.py"], res
 
 
 def _close_job(rank, world, root):
@@ -201,7 +202,7 @@ def test_interpreter_exit_waits_for_the_save_in_flight(tmp_path):
     root = str(tmp_path)
     assert run_world(_exit_job, 2, root, start="spawn") == [True, True]   # a real exit
     assert open(os.path.join(root, "latest")).read() == "at_exit"
-    assert sorted(os.listdir(root)) == ["at_exit", "latest"]
+    assert sorted(os.listdir(root)) == ["at_exit", "latest", "zero_to_fp32.py"]
 
 
 @pytest.mark.slow

@@ -237,7 +237,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(worlds, tm
         assert res["path"] in ("good", f".old-good-{res['path'][-12:]}") and res["diff"] == 0.0
         assert any(n.startswith(".tmp-" if point == "file" else ".old-good-")
                    for n in res["left"]), res
-        assert res["tidy"] == ["after", "expected.safetensors", "good", "latest"], res
+        assert res["tidy"] == ["after", "expected.safetensors", "good", "latest",
+                               "zero_to_fp32.py"], res
 
 
 # --------------------------------------------------------------------------- export
@@ -283,6 +284,102 @@ def test_export_gives_the_full_fp32_model_in_hugging_face_layout(worlds, tmp_pat
     assert load_file(os.path.join(cli_out, "model-00001-of-00001.safetensors")).keys() == \
         state.keys()
     assert consolidate_main([str(tmp_path / "nothing"), cli_out]) == 1
+
+
+# --------------------------------------------------------------------------- frozen left out
+def _left_out_job(rank, world, root):
+    """exclude_frozen_parameters at stages 2 (an asynchronous save) and 3 (a frozen shard
+    record), each loaded at the other stage: the load keeps the model's frozen value and
+    restores the rest; a model in which the left-out parameter trains cannot load; the
+    recovery script is never run by a load."""
+    import zerotrain.utils
+    out = {}
+    for stage in (2, 3):
+        cfg = R.engine_config(stage=stage, ga=1)
+        engine, model, _ = _engine(cfg, model=ExtrasNet())
+        _train(engine, rank, ga=1, first=0, steps=2)
+        out[f"frozen records {stage}"] = len(engine.stage.frozen_records())
+        engine.save_checkpoint(os.path.join(root, f"all{stage}"))
+        engine.save_checkpoint(os.path.join(root, f"ex{stage}"), async_save=stage == 2,
+                               exclude_frozen_parameters=True)
+        engine.wait_for_checkpoint()
+        trained = {**_params(model), **{n: b.clone() for n, b in model.named_buffers()}}
+        if rank == 0:   # a load must never run what lies in the save directory
+            with open(os.path.join(root, f"ex{stage}", "zero_to_fp32.py"), "w") as f:
+                f.write(f"open({os.path.join(root, f'ran{stage}')!r}, 'w').close()\n")
+        engine.comm.barrier()
+        load_cfg = R.engine_config(stage=5 - stage, ga=1)   # 2 -> 3, 3 -> 2
+        fresh, fresh_model, _ = _engine(load_cfg, model=ExtrasNet(seed=4))
+        fresh.load_checkpoint(os.path.join(root, f"ex{stage}"))
+        loaded = {**_params(fresh_model), **dict(fresh_model.named_buffers())}
+        out[f"kept {stage}"] = torch.equal(loaded["frozen"], ExtrasNet(seed=4).frozen)
+        out[f"restored {stage}"] = R.max_diff(
+            {k: v for k, v in trained.items() if k not in ("frozen", "scratch")},
+            {k: v for k, v in loaded.items() if k not in ("frozen", "scratch")})
+        fresh.destroy()
+        thawed = ExtrasNet(seed=4)
+        thawed.frozen.requires_grad_(True)
+        other, _, _ = _engine(load_cfg, model=thawed)
+        out[f"thawed {stage}"] = _expect_error(
+            lambda: other.load_checkpoint(os.path.join(root, f"ex{stage}")))
+        logged = []
+        info, zerotrain.utils.logger.info = zerotrain.utils.logger.info, logged.append
+        try:   # DeepSpeed's helper, as its test reaches it: a missing file is logged
+            other._change_recovery_script_permissions(os.path.join(root, "no", "x.py"))
+        finally:
+            zerotrain.utils.logger.info = info
+        out[f"chmod logged {stage}"] = logged
+        other.destroy()
+        engine.destroy()
+    return out
+
+
+def test_frozen_parameters_left_out_of_a_save_are_kept_from_the_model(worlds, tmp_path):
+    import runpy
+    import sys
+    from safetensors.torch import load_file
+    from zerotrain.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+    root = str(tmp_path)
+    res = worlds.run(2, _left_out_job, root)[0]
+    assert res["frozen records 3"] > 0 and res["frozen records 2"] == 0, res
+    for stage in (2, 3):
+        assert res[f"kept {stage}"] and res[f"restored {stage}"] == 0.0, res
+        assert "'frozen' is trainable in the model" in res[f"thawed {stage}"], res
+        assert "exclude_frozen_parameters=True" in res[f"thawed {stage}"], res
+        assert len(res[f"chmod logged {stage}"]) == 1, res
+        assert "Could not change permissions" in res[f"chmod logged {stage}"][0], res
+        assert not os.path.exists(os.path.join(root, f"ran{stage}"))
+        manifest = json.load(open(os.path.join(root, f"ex{stage}", "global_step2",
+                                               "manifest.json")))
+        assert [e["name"] for e in manifest["excluded_frozen"]] == ["frozen"]
+        state = get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, f"ex{stage}"))
+        assert set(state) == set(ExtrasNet().state_dict()) - {"frozen"}
+    # DeepSpeed's module file below stage 3, weights only, frozen parameters as asked
+    files = {k: os.path.join(root, k, "global_step2", "mp_rank_00_model_states.pt")
+             for k in ("all2", "ex2", "all3")}
+    assert not os.path.exists(files["all3"])
+    every = torch.load(files["all2"], weights_only=True)
+    trainable = torch.load(files["ex2"], weights_only=True)
+    assert list(every["module"]) == list(ExtrasNet().state_dict())
+    assert list(trainable["module"]) == [k for k in every["module"] if k != "frozen"]
+    assert os.path.getsize(files["all2"]) > os.path.getsize(files["ex2"])
+    full = get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, "all2"))
+    assert all(torch.equal(every["module"][k].to(full[k].dtype), full[k]) for k in full)
+    assert every["dp_world_size"] == 2 and every["global_steps"] == 2
+    assert [list(g) for g in every["param_shapes"]] == [
+        [n for n in ExtrasNet().state_dict() if n in dict(R.make_model().named_parameters())]]
+    # the recovery script DeepSpeed users run: `python zero_to_fp32.py . out`
+    script = os.path.join(root, "all2", "zero_to_fp32.py")
+    assert os.access(script, os.X_OK)
+    out = str(tmp_path / "recovered.safetensors")
+    argv, sys.argv = sys.argv, [script, os.path.join(root, "all2"), out]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = argv
+    recovered = load_file(out)
+    assert recovered.keys() == full.keys()
+    assert all(torch.equal(recovered[k], full[k]) for k in full)
 
 
 # --------------------------------------------------------------------------- errors

@@ -58,7 +58,8 @@ def test_two_jobs_saving_into_one_directory_never_publish_a_broken_tag(tmp_path)
     assert set(refusals) == {"a", "b"}, refusals
     for message in refusals["a"] + refusals["b"]:
         assert "is saving a checkpoint into" in message and root in message, message
-    tags = [e for e in os.listdir(root) if not e.startswith(".") and e != "latest"]
+    tags = [e for e in os.listdir(root)
+            if not e.startswith(".") and e not in ("latest", "zero_to_fp32.py")]
     assert len(tags) + len(refusals["a"]) + len(refusals["b"]) == 60, (tags, refusals)
     for tag in tags:
         read_manifest(os.path.join(root, tag))  # every file present with its recorded size

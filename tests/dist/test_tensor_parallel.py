@@ -233,6 +233,8 @@ def test_tp_checkpoint_reshards_across_tp_and_dp_sizes_and_exports_whole_weights
         assert _max_diff(after, third) < 1e-5, where
     consolidated = get_fp32_state_dict_from_zero_checkpoint(path, tag="two")
     assert _max_diff({k: consolidated[k] for k in saved}, saved) == 0
+    # rank 0 holds a slice of each split layer: no DeepSpeed module file from it
+    assert not (tmp_path / "two" / "mp_rank_00_model_states.pt").exists()
     exported = load_file(f"{path}/export/model.safetensors")
     assert _max_diff({k: exported[k].float() for k in saved}, saved) == 0
     assert exported["model.layers.0.self_attn.q_proj.weight"].shape == (16, 16)

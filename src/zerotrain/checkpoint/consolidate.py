@@ -18,6 +18,7 @@ A DeepSpeed ZeRO checkpoint (recognised by ``deepspeed.find_tag_dir``) is read b
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Callable, Iterator, Optional, Union
@@ -29,6 +30,8 @@ from .deepspeed import DeepSpeedExport, find_tag_dir
 from .manifest import MANIFEST_NAME, CheckpointError, file_identity_check, read_manifest
 from .reshard import SourceIndex
 from .stfile import DTYPES_BY_NAME, Reader, TensorSpec, write_file
+
+logger = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -63,6 +66,12 @@ def export_specs(manifest: dict) -> list[TensorSpec]:
             raise CheckpointError(f"{entry['name']!r} has unsupported dtype {entry['dtype']!r}")
         specs[entry["name"]] = TensorSpec(entry["name"], torch.float32 if dtype.is_floating_point
                                           else dtype, tuple(entry["shape"]))
+    left_out = [e["name"] for e in manifest.get("excluded_frozen", [])]
+    if left_out:   # Note "frozen parameters left out" in save.py
+        logger.warning("the checkpoint was saved with exclude_frozen_parameters=True: %d "
+                       "frozen parameter(s) are not in it and not exported (%s)",
+                       len(left_out), ", ".join(left_out[:5]) + (", ..." if
+                                                                 len(left_out) > 5 else ""))
     order = [n for n in manifest.get("state_dict_order", []) if n in specs]
     order += [n for n in specs if n not in set(order)]
     return [specs[n] for n in dict.fromkeys(order)]

@@ -19,7 +19,7 @@ from . import client_state, dcp, deepspeed, fs, rng
 from .deepspeed.universal import UniversalCheckpoint, find_universal_dir
 from .manifest import (LATEST_NAME, CheckpointError, check_tag, file_identity_check,
                        read_manifest, save_identity)
-from .match import check_groups, check_model, checkpoint_shapes
+from .match import check_groups, check_left_out, check_model, checkpoint_shapes
 from .reshard import SourceIndex
 from .staged_load import LoadOptions, load_staged
 from .state import COUNTERS, CheckpointReport, LoadResult, TrainingState
@@ -130,12 +130,17 @@ class ZeroTrainFiles:
         self.manifest = read_manifest(path)
         self.index = SourceIndex(self.manifest)
         self.reader = Reader(path, on_open=file_identity_check(self.manifest, path))
+        self._left_out: frozenset = frozenset()
 
     def validate(self, module: torch.nn.Module, records: list,
                  param_groups: Optional[list]) -> None:
         check_model(checkpoint_shapes(self.manifest), module, records, self.state_where)
+        self._left_out = check_left_out(self.manifest, module, self.state_where)
         if param_groups is not None:
             check_groups(self.manifest, param_groups, self.path)
+
+    def left_out(self) -> frozenset:
+        return self._left_out
 
     def read_range(self, name: str, key: str, start: int, end: int,
                    out: torch.Tensor) -> None:

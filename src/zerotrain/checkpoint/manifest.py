@@ -40,6 +40,7 @@ _RECORD_REQUIRED = {"key": str, "group_index": int, "names": list, "shapes": lis
                     "dtype": str, "state_tensors": list, "state_scalars": dict}
 
 _ENTRY_REQUIRED = {"name": str, "key": str, "shape": list, "dtype": str}
+_EXCLUDED_REQUIRED = {"name": str, "shape": list, "dtype": str}   # frozen, left out
 # What reading a file whose fields have the wrong type or size raises; each format names it.
 MALFORMED = (ValueError, TypeError, RuntimeError, RecursionError, KeyError, IndexError,
              AttributeError, OverflowError)
@@ -185,6 +186,13 @@ def validate(manifest: Any, tag_dir: str) -> None:
         for i, entry in enumerate(manifest[kind]):
             _check_fields(entry, _ENTRY_REQUIRED, f"{where} {kind}[{i}]")
             _check_shape(entry["shape"], f"{where} {kind}[{i}]")
+    excluded = manifest.get("excluded_frozen", [])   # absent in saves before the argument
+    if not isinstance(excluded, list):
+        raise CheckpointError(f"{where}: field 'excluded_frozen' should be list, got "
+                              f"{type(excluded).__name__}")
+    for i, entry in enumerate(excluded):
+        _check_fields(entry, _EXCLUDED_REQUIRED, f"{where} excluded_frozen[{i}]")
+        _check_shape(entry["shape"], f"{where} excluded_frozen[{i}]")
     named = [manifest["module_file"], *manifest["rank_files"]]
     named += [name for record in manifest["records"] for name in record["files"]]
     for name in named:

@@ -42,7 +42,7 @@ def checkpoint_shapes(manifest: dict) -> tuple[dict, dict]:
     for record in manifest["records"]:
         for name, shape in zip(record["names"], record["shapes"]):
             params[name] = tuple(shape)
-    for entry in manifest["frozen"]:
+    for entry in manifest["frozen"] + manifest.get("excluded_frozen", []):
         params[entry["name"]] = tuple(entry["shape"])
     buffers = {entry["name"]: tuple(entry["shape"]) for entry in manifest["buffers"]}
     return params, buffers
@@ -65,6 +65,21 @@ def check_model(saved: tuple[dict, dict], module: nn.Module, records: Sequence[S
             if name not in model and name not in aliases:
                 raise CheckpointError(f"{what} has {kind} {name!r}, which the model does not "
                                       "have; was it saved from a different model?")
+
+
+def check_left_out(manifest: dict, module: nn.Module, what: str) -> frozenset[str]:
+    """The frozen parameters a save left out (``exclude_frozen_parameters``), which a load
+    keeps as the model holds them; CheckpointError naming the first one that needs a
+    gradient in this model (the checkpoint has no value for it)."""
+    left_out = frozenset(e["name"] for e in manifest.get("excluded_frozen", []))
+    for name, param in module.named_parameters():
+        if name in left_out and param.requires_grad:
+            raise CheckpointError(
+                f"parameter {name!r} is trainable in the model but {what} has no value for "
+                "it: it was frozen when saved with exclude_frozen_parameters=True; freeze "
+                "it (requires_grad=False) before loading, or load a checkpoint saved "
+                "without that argument")
+    return left_out
 
 
 def check_groups(manifest: dict, param_groups: list, path: str) -> None:

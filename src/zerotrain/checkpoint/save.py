@@ -7,9 +7,19 @@ Order (all ranks call it; Note: atomic publication in ``fs.py``):
    and every rank raises the first error any rank found, so no rank is left waiting;
 3. every rank writes ``rank<r>.safetensors`` (its master shards, optimizer state, RNG);
 4. a second gather of file sizes and errors; rank 0 writes ``module.safetensors`` (frozen
-   parameters and buffers) and ``manifest.json``, then renames the tag into place and
-   rewrites ``latest``;
+   parameters and buffers), at stages 0-2 DeepSpeed's ``mp_rank_00_model_states.pt``
+   (``deepspeed/module_file.py``) and ``manifest.json``, then renames the tag into place,
+   rewrites ``latest`` and leaves the recovery script ``zero_to_fp32.py`` in ``save_dir``
+   (``recovery.py``);
 5. a last gather of rank 0's outcome, so every rank returns (or raises) together.
+
+Note: frozen parameters left out
+    ``exclude_frozen_parameters`` (DeepSpeed's argument) leaves out every parameter that
+    needs no gradient and is in no optimizer record: it is neither in ``module.safetensors``
+    nor (at stage 3) in a frozen shard record, and the manifest lists it under
+    ``excluded_frozen`` (name, shape, dtype). A load keeps such a parameter as the model
+    holds it and restores everything else; a model in which it is trainable cannot load
+    the checkpoint (an error names it); export and consolidation write the rest and warn.
 
 An asynchronous save (``writer``) does steps 1-2, copies what steps 3-4 write into the
 writer's staging buffer and returns; the writer's thread does 3-4, with marker files in
@@ -21,13 +31,15 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from . import client_state as client
-from . import fs, rng
+from . import fs, recovery, rng
 from . import writer as writer_mod
+from .deepspeed import module_file
 from .manifest import (FORMAT, MANIFEST_NAME, MODULE_FILE, VERSION, CheckpointError,
                        check_tag, to_json)
 from .state import COUNTERS, CheckpointReport, TrainingState, shard_rank, writes_record
@@ -44,7 +56,8 @@ def rank_file(rank: int) -> str:
 
 def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] = None,
                     client_state: Optional[dict] = None, save_latest: bool = True,
-                    writer: Optional[BackgroundWriter] = None) -> CheckpointReport:
+                    writer: Optional[BackgroundWriter] = None,
+                    exclude_frozen_parameters: bool = False) -> CheckpointReport:
     """Write checkpoint ``tag`` (default ``global_step<N>``) under ``save_dir``.
 
     Collective: every rank calls it with the same tag. ``client_state`` (rank 0's is
@@ -53,11 +66,13 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
     save returns once this rank's state is copied into the writer's staging buffer, and the
     files are written and published in the background (Note: asynchronous save in
     ``writer.py``); the caller has waited for the writer's previous save.
+    ``exclude_frozen_parameters``: Note: frozen parameters left out.
     """
     handed_over = False
     try:
         report, handed_over = _save(state, save_dir, tag=tag, client_state=client_state,
-                                    save_latest=save_latest, writer=writer)
+                                    save_latest=save_latest, writer=writer,
+                                    exclude_frozen=exclude_frozen_parameters)
         return report
     finally:
         if not handed_over:
@@ -66,16 +81,17 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
 
 def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
           client_state: Optional[dict], save_latest: bool,
-          writer: Optional[BackgroundWriter]) -> tuple[CheckpointReport, bool]:
+          writer: Optional[BackgroundWriter],
+          exclude_frozen: bool) -> tuple[CheckpointReport, bool]:
     start = time.perf_counter()
     comm = state.comm
     tag = f"global_step{state.counters['global_steps']}" if tag is None else tag
-    records = state.stage.shard_records() + state.stage.frozen_records()
+    records = state.stage.shard_records() + _frozen_records(state, exclude_frozen)
     local: dict[str, Any] = {"tag": tag, "error": None, "nonce": None, "records": [],
                              "save_dir": os.path.normpath(os.fspath(save_dir))}
     small: dict = {}
     client_tensors: dict[str, torch.Tensor] = {}
-    module_part: tuple = ({}, [], [])
+    module_part = ModulePart()
     manifest: dict = {}
     try:
         check_tag(tag)
@@ -84,8 +100,11 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
             shard_rank(record.layout, comm)   # a layout checkpoints cannot map raises here
         small, client_tensors = _small_state(state, client_state)
         if comm.rank == 0:   # rank 0's records are everyone's (checked by _raise_first)
-            module_part = _module_tensors(state.module, local["records"])
+            module_part = _module_tensors(state.module, local["records"], exclude_frozen)
             manifest = _manifest(state, tag, local["records"], small)
+            if _whole_module_on_every_rank(state):   # DeepSpeed's module file, no gather
+                module_part.deepspeed = module_file.live_module_state(
+                    state.module, exclude_frozen_parameters=exclude_frozen)
             fs.require_dir(save_dir)
             local["nonce"] = fs.new_nonce()
             fs.prepare(save_dir, tag, local["nonce"])
@@ -125,20 +144,22 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
 def _save_in_background(state: TrainingState, writer: BackgroundWriter, save_dir: str,
                         tmp: str, tag: str, records, everyone: list[dict],
                         client_tensors: dict[str, torch.Tensor], save_latest: bool,
-                        module_part: tuple, manifest: dict, start: float) -> CheckpointReport:
+                        module_part: "ModulePart", manifest: dict,
+                        start: float) -> CheckpointReport:
     """Stage this rank's state in the writer's buffer and hand the writing to its thread
     (Note: asynchronous save). Everything taken from the live job is taken here."""
     comm = state.comm
     nonce = everyone[0]["nonce"]
     items, rng_meta = _rank_items(state, records)
+    shared = ("module/", "deepspeed/", "client/")   # rank 0's, written by its thread
     if comm.rank == 0:
-        items += [(f"module/{k}", t) for k, t in module_part[0].items()]
+        items += [(f"module/{k}", t) for k, t in module_part.tensors.items()]
+        items += [(f"deepspeed/{k}", t) for k, t in (module_part.deepspeed or {}).items()]
         items += [(f"client/{k}", t) for k, t in client_tensors.items()]
     staged = writer.buffer.stage(items)
-    own = [(key, staged[key]) for key, _ in items
-           if not key.startswith(("module/", "client/"))]
+    own = [(key, staged[key]) for key, _ in items if not key.startswith(shared)]
     if comm.rank == 0:
-        module_part = ({k: staged[f"module/{k}"] for k in module_part[0]}, *module_part[1:])
+        module_part = module_part.restaged(staged)
         client_tensors = {k: staged[f"client/{k}"] for k in client_tensors}
     world, rank = comm.world_size, comm.rank
     timeout = _publication_timeout(comm)
@@ -211,7 +232,7 @@ def _structure(metas: list[dict]) -> list:
 
 def _finish_on_rank0(save_dir: str, tmp: str, tag: str, everyone: list[dict],
                      written: list[dict], client_tensors: dict[str, torch.Tensor],
-                     save_latest: bool, module_part: tuple, manifest: dict) -> dict:
+                     save_latest: bool, module_part: "ModulePart", manifest: dict) -> dict:
     """Rank 0, once every rank has written its file: the module file, the client state,
     the manifest, then publication. ``module_part``: :func:`_module_tensors`'s result;
     ``manifest``: :func:`_manifest`'s, to which the file sizes are added here."""
@@ -222,19 +243,25 @@ def _finish_on_rank0(save_dir: str, tmp: str, tag: str, everyone: list[dict],
     try:
         sizes = {rank_file(r): w["size"] for r, w in enumerate(written)}
         save_id = everyone[0]["nonce"]
-        tensors, frozen, buffers = module_part
-        sizes[MODULE_FILE] = _write_module_file(tmp, tensors, save_id)
+        sizes[MODULE_FILE] = _write_module_file(tmp, module_part.tensors, save_id)
         manifest = {**manifest, "file_sizes": sizes}
         if client_tensors:
             sizes[client.FILE] = client.write(tmp, client_tensors, save_id)
             manifest["client_state_file"] = client.FILE
-        manifest.update(frozen=frozen, buffers=buffers, save_id=save_id)
+        manifest.update(frozen=module_part.frozen, buffers=module_part.buffers,
+                        excluded_frozen=module_part.excluded, save_id=save_id)
+        if module_part.deepspeed is not None:
+            sizes[module_file.MODEL_FILE] = module_file.write_module_file(
+                tmp, manifest, module_part.deepspeed, len(written))
+            manifest["deepspeed_module_file"] = module_file.MODEL_FILE
         nbytes = _write_json(os.path.join(tmp, MANIFEST_NAME), manifest)
         path = fs.publish(save_dir, tmp, tag, everyone[0]["nonce"], save_latest=save_latest)
     except (CheckpointError, OSError) as exc:
         fs.remove_quietly(tmp)
         return {"error": f"rank 0: {exc}", "bytes": 0, "path": None}
-    return {"error": None, "bytes": nbytes + sizes[MODULE_FILE], "path": path}
+    recovery.write_script(save_dir)
+    return {"error": None, "path": path,
+            "bytes": nbytes + sizes[MODULE_FILE] + sizes.get(module_file.MODEL_FILE, 0)}
 
 
 # --------------------------------------------------------------------------- records
@@ -287,18 +314,64 @@ def _write_rank_file(tmp: str, rank: int, items: list[tuple[str, torch.Tensor]],
     return size
 
 
-def _module_tensors(module: torch.nn.Module,
-                    metas: list[dict]) -> tuple[dict[str, torch.Tensor], list, list]:
+@dataclass(slots=True)
+class ModulePart:
+    """What rank 0 writes besides the shards: frozen parameters and persistent buffers
+    (live tensors, by key) with their manifest entries, the frozen parameters left out
+    (Note: frozen parameters left out), and the module state of DeepSpeed's module file
+    (None at stage 3)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: list[dict] = field(default_factory=list)
+    buffers: list[dict] = field(default_factory=list)
+    excluded: list[dict] = field(default_factory=list)
+    deepspeed: Optional[dict] = None
+
+    def restaged(self, staged: dict[str, torch.Tensor]) -> "ModulePart":
+        """The same part over the asynchronous writer's staged copies."""
+        deepspeed = (None if self.deepspeed is None else
+                     {k: staged[f"deepspeed/{k}"] for k in self.deepspeed})
+        return ModulePart({k: staged[f"module/{k}"] for k in self.tensors}, self.frozen,
+                          self.buffers, self.excluded, deepspeed)
+
+
+def _whole_module_on_every_rank(state: TrainingState) -> bool:
+    """Stages 0-2 without tensor parallelism (which leaves rank 0 a slice of a split
+    layer): then rank 0's module is the model, and DeepSpeed's module file is written."""
+    return (state.stage_index < 3
+            and getattr(state.stage, "tensor_parallel_world_size", 1) == 1)
+
+
+def _frozen_records(state: TrainingState, exclude_frozen: bool) -> list:
+    """The stage's frozen shard records (stage 3), less those whose parameters all need
+    no gradient when they are left out."""
+    records = state.stage.frozen_records()
+    if not exclude_frozen:
+        return records
+    needs_grad = {n for n, p in state.module.named_parameters() if p.requires_grad}
+    return [r for r in records if any(n in needs_grad for n in r.names)]
+
+
+def _module_tensors(module: torch.nn.Module, metas: list[dict],
+                    exclude_frozen: bool = False) -> ModulePart:
     """Frozen parameters (those in no record) and persistent buffers, as they are (live
-    tensors), with their manifest entries."""
+    tensors), with their manifest entries; with ``exclude_frozen`` the parameters that
+    need no gradient are listed as left out instead."""
     in_records = {name for meta in metas for name in meta["names"]}
     persistent = set(module.state_dict(keep_vars=True).keys())
-    tensors: dict[str, torch.Tensor] = {}
-    frozen, buffers = [], []
+    part = ModulePart()
+    tensors, frozen, buffers = part.tensors, part.frozen, part.buffers
     for kind, named, out in (("param", module.named_parameters(), frozen),
                              ("buffer", module.named_buffers(), buffers)):
         for name, tensor in named:
-            if name in in_records or name not in persistent:
+            if name in in_records:
+                continue
+            if kind == "param" and exclude_frozen and not tensor.requires_grad:
+                part.excluded.append({"name": name, "dtype": dtype_name(tensor.dtype),
+                                      "shape": list(getattr(tensor, "ds_shape",
+                                                            tensor.shape))})
+                continue
+            if name not in persistent:
                 continue
             if tuple(getattr(tensor, "ds_shape", tensor.shape)) != tuple(tensor.shape):
                 raise CheckpointError(f"frozen parameter {name!r} is partitioned (stage 3) "
@@ -307,7 +380,7 @@ def _module_tensors(module: torch.nn.Module,
             tensors[key] = tensor.detach()
             out.append({"name": name, "key": key, "shape": list(tensor.shape),
                         "dtype": dtype_name(tensor.dtype)})
-    return tensors, frozen, buffers
+    return part
 
 
 def _write_module_file(tmp: str, tensors: dict[str, torch.Tensor], save_id: str) -> int:

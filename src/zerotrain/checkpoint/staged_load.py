@@ -72,6 +72,11 @@ class LoadSource(Protocol):
         """A frozen parameter or buffer; None when it was trainable when saved (then its
         master is read)."""
 
+    def left_out(self) -> frozenset:
+        """Frozen parameters the save left out on purpose, known after ``validate``: the
+        load keeps them as the model holds them (Note "frozen parameters left out" in
+        ``save.py``)."""
+
     def rng_state(self, comm) -> Optional[tuple]:
         """This rank's generator state, checked; None to keep the live one."""
 
@@ -171,10 +176,11 @@ def _stage_from(state: TrainingState, source: LoadSource, options: LoadOptions) 
     groups = state.optimizer.param_groups
     source.validate(state.module, records, groups if options.optimizer else None)
     staged = Staged(path=source.path, identity=source.identity())
+    kept = source.left_out()
     for record in records:
-        _stage_record(state, source, record, staged, with_optimizer=(
+        _stage_record(state, source, record, staged, kept, with_optimizer=(
             options.optimizer and record.group_index != FROZEN))
-    staged.tensors += _stage_module_tensors(state.module, source, records)
+    staged.tensors += _stage_module_tensors(state.module, source, records, kept)
     staged.report = source.report()   # shards only: generator state is not counted
     if options.small:
         staged.rng = source.rng_state(state.comm)
@@ -185,10 +191,10 @@ def _stage_from(state: TrainingState, source: LoadSource, options: LoadOptions) 
     return staged
 
 
-def _stage_record(state: TrainingState, source: LoadSource, record, staged: Staged, *,
-                  with_optimizer: bool) -> None:
+def _stage_record(state: TrainingState, source: LoadSource, record, staged: Staged,
+                  kept: frozenset, *, with_optimizer: bool) -> None:
     """Read this rank's master shard and, with the optimizer, its state into new tensors
-    (the padding of the master kept as it is)."""
+    (the padding of the master, and the chunks of parameters in ``kept``, as they are)."""
     rank = shard_rank(record.layout, state.comm)
     keys, scalars = source.optimizer_state_spec(record.names) if with_optimizer else ([], {})
     master = record.master.detach().to("cpu", copy=True)
@@ -197,6 +203,8 @@ def _stage_record(state: TrainingState, source: LoadSource, record, staged: Stag
         if source.read_same_shard(list(record.names), record.layout, key, rank, out):
             continue
         for slot, name in zip(record.layout.slots, record.names):
+            if name in kept:   # a frozen shard record's (stage 3): the model's value stays
+                continue
             begin, end = target_range(record.layout, slot, rank)
             at = record.layout.shard_slice(slot).start
             source.read_range(name, key, begin, end, out[at: at + end - begin])
@@ -226,12 +234,14 @@ def _scalar(value: Any, dtype: torch.dtype, group: dict, master: torch.Tensor) -
                               f"{exc}") from None
 
 
-def _stage_module_tensors(module: torch.nn.Module, source: LoadSource,
-                          records) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(target, new value) for frozen parameters and persistent buffers, cast on commit."""
+def _stage_module_tensors(module: torch.nn.Module, source: LoadSource, records,
+                          kept: frozenset) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(target, new value) for frozen parameters (but those ``kept``) and persistent
+    buffers, cast on commit."""
     in_records = {name for record in records for name in record.names}
     persistent = set(module.state_dict(keep_vars=True).keys())
-    targets = [(n, p) for n, p in module.named_parameters() if n not in in_records]
+    targets = [(n, p) for n, p in module.named_parameters()
+               if n not in in_records and n not in kept]
     targets += [(n, b) for n, b in module.named_buffers() if n in persistent]
     out = []
     for name, target in targets:

@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 from .. import checkpoint
 from ..checkpoint import full_weights as export
-from ..errors import ConfigError, StateError
+from ..checkpoint import recovery
+from ..errors import ConfigError
 from ..offload import states as moved_states
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,10 @@ class EnginePersistence:
         ``async_save`` (default: ``checkpoint.writer.decoupled``): return once the state is
         copied into host memory and write it in the background; at most one save is in
         flight, and :meth:`wait_for_checkpoint` waits for it (docs/checkpoints.md).
+
+        ``exclude_frozen_parameters``: leave out the parameters that need no gradient;
+        loading keeps them as the model holds them (docs/checkpoints.md).
         """
-        if exclude_frozen_parameters:
-            raise StateError("save_checkpoint(exclude_frozen_parameters=True) is not "
-                             "implemented: zerotrain's checkpoint holds every parameter, "
-                             "frozen ones included; call it without the argument")
         if self.micro_steps % self.gradient_accumulation_steps() != 0:
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
@@ -82,8 +82,15 @@ class EnginePersistence:
         self.last_checkpoint_report = checkpoint.save_checkpoint(
             self._training_state(), save_dir, tag=None if tag is None else str(tag),
             client_state=client_state, save_latest=save_latest,
-            writer=self._checkpoint_writer if async_save else None)
+            writer=self._checkpoint_writer if async_save else None,
+            exclude_frozen_parameters=exclude_frozen_parameters)
         return True
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """Make the recovery script ``dst`` executable, or log at info level why not (a
+        file share without permission bits), as DeepSpeed's method of this name does: the
+        step every save takes for the ``zero_to_fp32.py`` it leaves in ``save_dir``."""
+        recovery.change_permissions(dst)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the asynchronous save in flight, if any; raise CheckpointError on every

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..fs import read_latest_text
-from ..manifest import CheckpointError
+from ..manifest import MANIFEST_NAME, CheckpointError
 from .unpickle import load_file
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -25,10 +25,13 @@ _OTHER_MP = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_(0[1-9]|[1-9]\d+)_model_st
 
 
 def is_deepspeed_tag_dir(path: str) -> bool:
-    """Whether ``path`` is a DeepSpeed tag directory (it holds model-states files)."""
+    """Whether ``path`` is a DeepSpeed tag directory (it holds model-states files and no
+    zerotrain manifest: a zerotrain tag of stages 0-2 carries DeepSpeed's module file too)."""
     try:
         names = os.listdir(path) if os.path.isdir(path) else []
     except OSError:   # unreadable: not a tag we can load (auto-resume tries the next one)
+        return False
+    if MANIFEST_NAME in names:
         return False
     return any(name == MODEL_FILE or _RANK_MODEL.match(name) for name in names)
 

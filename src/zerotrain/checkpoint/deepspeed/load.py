@@ -115,6 +115,9 @@ class ForeignSource:
         self.elements_read += value.numel()
         return value
 
+    def left_out(self) -> frozenset:
+        return frozenset()   # a parameter missing from these formats is an error
+
     def rng_state(self, comm) -> None:
         return None   # DeepSpeed's generator state is not zerotrain's
 

@@ -49,14 +49,8 @@ def export_deepspeed(checkpoint_dir: str, output_dir: str, *, stage: int, world_
     path = resolve_checkpoint(checkpoint_dir, tag)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
-    order = {n: i for i, n in enumerate(manifest.get("state_dict_order", []))}
-    groups: dict[int, list[str]] = {}
-    for name, source in index.params.items():
-        if source.record["group_index"] != FROZEN:
-            groups.setdefault(source.record["group_index"], []).append(name)
     saved_groups = manifest["optimizer"]["param_groups"]
-    members = [sorted(groups.get(g, []), key=lambda n: order.get(n, len(order)))
-               for g in range(len(saved_groups))]
+    members = group_members(manifest)
     with Reader(path, on_open=file_identity_check(manifest, path)) as reader:
         module = OrderedDict((spec.key, read_full(index, reader, spec))
                              for spec in export_specs(manifest))
@@ -77,6 +71,18 @@ def export_deepspeed(checkpoint_dir: str, output_dir: str, *, stage: int, world_
                                           f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")))
     write_latest(output_dir, out_tag, "deepspeed")
     return written + [os.path.join(output_dir, "latest")]
+
+
+def group_members(manifest: dict) -> list[list[str]]:
+    """Each optimizer group's parameter names in the module's order: the order DeepSpeed
+    flattens a group in (``param_shapes``)."""
+    order = {n: i for i, n in enumerate(manifest.get("state_dict_order", []))}
+    groups: dict[int, list[str]] = {}
+    for record in manifest["records"]:
+        if record["group_index"] != FROZEN:
+            groups.setdefault(record["group_index"], []).extend(record["names"])
+    return [sorted(groups.get(g, []), key=lambda n: order.get(n, len(order)))
+            for g in range(len(manifest["optimizer"]["param_groups"]))]
 
 
 def _flat_group(index: SourceIndex, reader: Reader, module: dict, names: list[str],
@@ -117,7 +123,9 @@ def group_state(index: SourceIndex, names: list[str]) -> tuple[list[str], Option
 
 
 def model_states(manifest: dict, module: dict, members: list[list[str]], world: int) -> dict:
+    """DeepSpeed's model-states dict: ``module`` as given, shapes from the manifest."""
     in_groups = {n for names in members for n in names}
+    shapes = {n: s for r in manifest["records"] for n, s in zip(r["names"], r["shapes"])}
     buffers = [e["name"] for e in manifest["buffers"]]
     frozen = [e for e in manifest["frozen"]]
     counters = manifest["counters"]
@@ -125,7 +133,7 @@ def model_states(manifest: dict, module: dict, members: list[list[str]], world: 
         "module": module,
         "buffer_names": buffers,
         "optimizer": None,
-        "param_shapes": [OrderedDict((n, torch.Size(module[n].shape)) for n in names)
+        "param_shapes": [OrderedDict((n, torch.Size(shapes[n])) for n in names)
                          for names in members],
         "frozen_param_shapes": OrderedDict((e["name"], torch.Size(e["shape"])) for e in frozen
                                            if e["name"] not in in_groups),

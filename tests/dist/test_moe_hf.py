@@ -87,21 +87,22 @@ def _train_moe_layer(rank, world):
     import zerotrain
     from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
     out = {}
-    for stage in (0, 1, 2, 3):
-        model = M.make_layer_model()
+    for stage, init in ((0, False), (1, False), (2, False), (3, False), (3, True)):
+        config = R.engine_config(stage=stage, micro_size=2)
+        with zerotrain.zero.Init(config_dict_or_path=config, enabled=init):
+            model = M.make_layer_model()   # under zero.Init: the experts copied partitioned
         params = model.parameters()
         if stage % 2:   # the groups a script makes (DeepSpeed's tutorial); else the engine's
             params = split_params_into_different_moe_groups_for_optimizer(
                 {"params": list(params), "name": "dense"})
-        engine, *_ = zerotrain.initialize(model=model, model_parameters=params,
-                                          config=R.engine_config(stage=stage, micro_size=2))
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=params, config=config)
         for step in range(STEPS):
             torch.manual_seed(step)   # the gate's random draws: the same seed on every rank
             engine.backward(engine(*M.layer_batch(step, rank)))
             engine.step()
         groups = [(g.get("name"), g.get("moe", False)) for g in engine.optimizer.param_groups]
         with zerotrain.zero.GatheredParameters(list(model.parameters())):
-            out[stage] = ({n: p.detach().clone() for n, p in model.named_parameters()}, groups)
+            out[stage, init] = ({n: p.detach().clone() for n, p in model.named_parameters()}, groups)
         engine.close()
     return out
 
@@ -111,7 +112,8 @@ def test_deepspeed_moe_layer_trains_at_every_stage_like_the_single_process_refer
     start = M.make_layer_model().state_dict()
     assert max((start[n] - reference[n]).abs().max() for n in reference) > 1e-3   # it trains
     for rank, out in enumerate(worlds.run(2, _train_moe_layer)):
-        for stage, (weights, groups) in out.items():
-            assert R.max_diff(weights, reference) < 1e-5, (stage, rank)
+        assert len(out) == 5
+        for (stage, init), (weights, groups) in out.items():
+            assert R.max_diff(weights, reference) < 1e-5, (stage, init, rank)
             dense = "dense" if stage % 2 else "dense-params"
             assert groups == [(dense, False), ("ep_size_1", True)], (stage, groups)

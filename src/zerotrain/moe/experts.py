@@ -5,13 +5,32 @@ groups of their own. At ``ep_size`` 1 every rank holds every expert and the engi
 their gradients over the data-parallel group like any other parameter's."""
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 __all__ = ["Experts"]
+
+
+@contextlib.contextmanager
+def _whole(module: nn.Module) -> Iterator[None]:
+    """``module``'s parameters whole while it is copied: built under ``zero.Init`` they are
+    partitioned (a copy would get empty tensors), so they are gathered with DeepSpeed's
+    per-parameter API (collective: every rank builds the same layers) and partitioned again
+    afterwards; the copies are plain tensors that ``zero.Init`` partitions when the layer's
+    construction returns."""
+    partitioned = [p for p in module.parameters() if hasattr(p, "all_gather")
+                   and hasattr(p, "partition")]
+    for p in partitioned:
+        p.all_gather()
+    try:
+        yield
+    finally:
+        for p in partitioned:
+            p.partition()
 
 
 class Experts(nn.Module):
@@ -23,8 +42,9 @@ class Experts(nn.Module):
     def __init__(self, expert: nn.Module, num_local_experts: int = 1,
                  expert_group_name: Optional[str] = None) -> None:
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList(
-            copy.deepcopy(expert) for _ in range(num_local_experts))
+        with _whole(expert):
+            self.deepspeed_experts = nn.ModuleList(
+                copy.deepcopy(expert) for _ in range(num_local_experts))
         self.num_local_experts = num_local_experts
         for copied in self.deepspeed_experts:
             for param in copied.parameters():

@@ -12,6 +12,7 @@ import reference as R
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+LAYER_STEPS = 2   # DeepSpeed's MoE layer: 5 engines of 2 steps
 
 
 def _model(family):
@@ -96,7 +97,7 @@ def _train_moe_layer(rank, world):
             params = split_params_into_different_moe_groups_for_optimizer(
                 {"params": list(params), "name": "dense"})
         engine, *_ = zerotrain.initialize(model=model, model_parameters=params, config=config)
-        for step in range(STEPS):
+        for step in range(LAYER_STEPS):
             torch.manual_seed(step)   # the gate's random draws: the same seed on every rank
             engine.backward(engine(*M.layer_batch(step, rank)))
             engine.step()
@@ -108,7 +109,7 @@ def _train_moe_layer(rank, world):
 
 
 def test_deepspeed_moe_layer_trains_at_every_stage_like_the_single_process_reference(worlds):
-    reference = M.layer_reference(steps=STEPS, world=2)
+    reference = M.layer_reference(steps=LAYER_STEPS, world=2)
     start = M.make_layer_model().state_dict()
     assert max((start[n] - reference[n]).abs().max() for n in reference) > 1e-3   # it trains
     for rank, out in enumerate(worlds.run(2, _train_moe_layer)):

@@ -75,3 +75,60 @@ def reference(*, steps: int, world: int, n_experts: int, random_routes: bool,
                 p.grad = torch.zeros_like(p)
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- DeepSpeed's MoE layer
+class LayerNet(nn.Module):
+    """Two of DeepSpeed's MoE layers (``zerotrain.moe.layer.MoE``): top-1 with random token
+    selection, tokens dropped (capacity 1 per expert) and a residual expert, then top-2
+    with a sampled second expert; their auxiliary losses join the loss."""
+
+    def __init__(self) -> None:
+        from zerotrain.moe.layer import MoE
+        super().__init__()
+        self.inp = nn.Linear(IN, HIDDEN)
+        expert = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN))
+        self.moe1 = MoE(HIDDEN, expert, num_experts=4, k=1, capacity_factor=0.5,
+                        min_capacity=1, use_residual=True)
+        self.moe2 = MoE(HIDDEN, nn.Linear(HIDDEN, HIDDEN), num_experts=3, k=2)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        out, aux1, _ = self.moe1(h)
+        h = h + out
+        out, aux2, _ = self.moe2(h)
+        return nn.functional.mse_loss(self.head(h + out), y) + 0.01 * (aux1 + aux2)
+
+
+def make_layer_model(seed: int = 0) -> LayerNet:
+    torch.manual_seed(seed)
+    return LayerNet()
+
+
+def layer_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch at ``step``: 2 sequences of 4 tokens."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(2, 4, IN, generator=g), torch.randn(2, 4, OUT, generator=g)
+
+
+def layer_reference(*, steps: int, world: int, lr: float = 1e-2) -> dict[str, torch.Tensor]:
+    """One process: each rank's micro-batch in turn, the gate's random draws from the
+    seed every rank sets before its forward (``torch.manual_seed(step)``), gradients
+    averaged over the ranks (an expert no token reached: zero, as every rank sends)."""
+    model = make_layer_model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    for step in range(steps):
+        total = [torch.zeros_like(p) for p in params]
+        for rank in range(world):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            model(*layer_batch(step, rank)).backward()
+            for t, p in zip(total, params):
+                if p.grad is not None:
+                    t.add_(p.grad)
+        for p, t in zip(params, total):
+            p.grad = t.div_(world)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -83,6 +83,7 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.zero": "zerotrain.zero",
     "deepspeed.checkpointing": "zerotrain.checkpointing",
     "deepspeed.moe": "zerotrain.moe",
+    "deepspeed.moe.experts": "zerotrain.moe.experts",
     "deepspeed.moe.layer": "zerotrain.moe.layer",
     "deepspeed.moe.utils": "zerotrain.moe.utils",
     "deepspeed.pipe": "zerotrain.pipe",

@@ -1,8 +1,8 @@
 """Names of DeepSpeed features zerotrain does not implement, importable but unusable.
 
 Training scripts import such names at the top even when a flag leaves them unused (a
-CIFAR-10 example imports ``deepspeed.moe.utils`` and uses it only with ``--moe``). So
-``zerotrain.moe`` and ``zerotrain.pipe`` import, and any name taken from them imports too;
+script imports ``deepspeed.pipe`` and uses it only with ``--pipeline``). So
+``zerotrain.pipe`` imports, and any name taken from it imports too;
 calling it, instantiating it (or a subclass of it) raises :class:`UnsupportedFeatureError`
 naming the feature, never a ``ModuleNotFoundError`` or an ``AttributeError``.
 """

@@ -1,14 +1,18 @@
-"""Hugging Face mixture-of-experts models at stage 3, their sparse MoE block a leaf module
-(DeepSpeed 0.19's default ``zero_optimization.leaf_module`` classes, or declared with
-``set_z3_leaf_modules``), train like stage 0 on 2 ranks whose tokens route differently."""
+"""Mixture-of-experts models on 2 ranks whose tokens route differently: Hugging Face's at
+stage 3, their sparse MoE block a leaf module (DeepSpeed 0.19's default
+``zero_optimization.leaf_module`` classes, or declared with ``set_z3_leaf_modules``), train
+like stage 0; DeepSpeed's MoE layer (``zerotrain.moe``) trains at stages 0-3 like the
+single-process reference of the ranks' micro-batches."""
 import pytest
 import torch
 
+import moe_models as M
 import reference as R
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+LAYER_STEPS = 2   # DeepSpeed's MoE layer: 5 engines of 2 steps
 
 
 def _model(family):
@@ -78,3 +82,39 @@ def test_estimate_counts_a_leaf_module_whole_as_the_largest_layer():
     after = shape_from_module(model).largest_layer_params
     leaf = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
     assert after == max(before, leaf) and leaf > before
+
+
+def _train_moe_layer(rank, world):
+    import zerotrain
+    from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    out = {}
+    for stage, init in ((0, False), (1, False), (2, False), (3, False), (3, True)):
+        config = R.engine_config(stage=stage, micro_size=2)
+        with zerotrain.zero.Init(config_dict_or_path=config, enabled=init):
+            model = M.make_layer_model()   # under zero.Init: the experts copied partitioned
+        params = model.parameters()
+        if stage % 2:   # the groups a script makes (DeepSpeed's tutorial); else the engine's
+            params = split_params_into_different_moe_groups_for_optimizer(
+                {"params": list(params), "name": "dense"})
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=params, config=config)
+        for step in range(LAYER_STEPS):
+            torch.manual_seed(step)   # the gate's random draws: the same seed on every rank
+            engine.backward(engine(*M.layer_batch(step, rank)))
+            engine.step()
+        groups = [(g.get("name"), g.get("moe", False)) for g in engine.optimizer.param_groups]
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            out[stage, init] = ({n: p.detach().clone() for n, p in model.named_parameters()}, groups)
+        engine.close()
+    return out
+
+
+def test_deepspeed_moe_layer_trains_at_every_stage_like_the_single_process_reference(worlds):
+    reference = M.layer_reference(steps=LAYER_STEPS, world=2)
+    start = M.make_layer_model().state_dict()
+    assert max((start[n] - reference[n]).abs().max() for n in reference) > 1e-3   # it trains
+    for rank, out in enumerate(worlds.run(2, _train_moe_layer)):
+        assert len(out) == 5
+        for (stage, init), (weights, groups) in out.items():
+            assert R.max_diff(weights, reference) < 1e-5, (stage, init, rank)
+            dense = "dense" if stage % 2 else "dense-params"
+            assert groups == [(dense, False), ("ep_size_1", True)], (stage, groups)

@@ -15,6 +15,7 @@ import torch
 import zerotrain
 from zerotrain.checkpoint import CheckpointError
 from zerotrain.checkpoint import client_state as cs
+from zerotrain.errors import ConfigError
 
 
 # --------------------------------------------------------------------------- arguments
@@ -93,30 +94,24 @@ def test_cpu_adam_refuses_16bit_states_by_name():
 
 
 # --------------------------------------------------------------------------- out of scope
-def _expert_param() -> torch.nn.Parameter:
-    param = torch.nn.Parameter(torch.zeros(2))
-    param.allreduce = False   # how DeepSpeed marks an expert's parameter
-    return param
-
-
-def test_moe_and_pipeline_names_import_and_refuse_when_used():
+def test_pipeline_names_import_and_refuse_when_used_and_moe_refuses_expert_parallelism():
     from zerotrain.moe.layer import MoE
-    from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from zerotrain.pipe import LayerSpec, PipelineModule
     from zerotrain.unsupported import UnsupportedFeatureError
 
     class MyMoE(MoE):   # subclassing at import time works, as scripts do
         pass
 
-    cases = [(lambda: MoE(hidden_size=8, expert=None, num_experts=2), "mixture of experts"),
-             (lambda: MyMoE(), "mixture of experts"),
-             (lambda: split_params_into_different_moe_groups_for_optimizer(
-                 {"params": [_expert_param()]}), "mixture of experts"),
+    cases = [(lambda: MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2,
+                          ep_size=2), "ep_size=2"),
+             (lambda: MyMoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=4), "ep_size=4"),
              (lambda: PipelineModule(layers=[LayerSpec(torch.nn.Linear, 2, 2)]),
               "pipeline parallelism")]
     for call, named in cases:
         with pytest.raises(UnsupportedFeatureError, match=named):
             call()
+    with pytest.raises(ConfigError, match="MoE.ep_size"):
+        MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=3, ep_size=2)
     assert zerotrain.moe.layer.MoE.__name__ == "MoE"   # reachable from `import zerotrain`
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import ZeroTrainConfig
 from ..errors import ConfigError
+from ..moe.utils import configure_moe_param_groups, has_moe_layers
 from ..optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
                      retarget_optimizer)
 from ..schedules import build_scheduler
@@ -26,6 +27,9 @@ def trainable_groups(model: nn.Module, optimizer, model_parameters) -> list[dict
         groups = param_groups_from(model_parameters)
     else:
         groups = [{"params": list(model.parameters())}]
+    if optimizer is None and has_moe_layers(model)[0]:   # DeepSpeed's expert groups
+        plain = len(groups) == 1 and groups[0].keys() == {"params"}
+        groups = configure_moe_param_groups(groups[0]["params"] if plain else groups)
     owned = {id(p) for p in model.parameters()}
     for g in groups:
         for p in g["params"]:

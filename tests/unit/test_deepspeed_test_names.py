@@ -105,6 +105,19 @@ def test_gradient_allreduce_op_mean_is_read_and_sum_is_refused_by_name():
         load_config({**base, "gradient_allreduce_op": "max"}, world_size=1)
 
 
+def test_partition_parameters_names_zero_init_base_and_linear_wrap(deepspeed):
+    from deepspeed.runtime.zero.partition_parameters import (
+        InsertPostInitMethodToModuleSubClasses, zero3_linear_wrap)
+    from zerotrain.zero.linear import zero3_linear_wrap as ours
+    assert zero3_linear_wrap is ours
+    linear = torch.nn.functional.linear
+    init = deepspeed.zero.Init(enabled=False, mem_efficient_linear=True)
+    assert isinstance(init, InsertPostInitMethodToModuleSubClasses)
+    with init:   # F.linear is never replaced, so DeepSpeed's backup of it never exists
+        assert torch.nn.functional.linear is linear
+    assert not hasattr(InsertPostInitMethodToModuleSubClasses, "linear_bk")
+
+
 def test_an_odd_allgather_bucket_size_is_refused_where_deepspeed_asserts_it():
     def load(stage, size, **extra):
         return load_config({"train_batch_size": 2, "zero_optimization": {

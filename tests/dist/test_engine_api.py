@@ -295,6 +295,7 @@ def _client_optimizers_job(rank, world):
             engine, *_ = zerotrain.initialize(model=model, optimizer=cls(model.parameters()),
                                               config=config)
             R.train_engine(engine, steps=1, rank=rank, ga=1)
+            assert engine.zero_force_ds_cpu_optimizer() is (force is None)
             engine.destroy()
             out[("offloaded", name, force)] = "trained"
         except ConfigError as e:

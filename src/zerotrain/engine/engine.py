@@ -404,6 +404,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         device."""
         self._moved.reload(non_blocking=non_blocking)
 
+
 def _direct_backward_refusal(config: ZeroTrainConfig) -> Optional[str]:
     """Why a plain ``loss.backward()`` is refused with this config, or None: at stage 0, as
     DeepSpeed refuses it there (Note "stage 0" in ``direct_backward.py``)."""

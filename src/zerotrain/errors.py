@@ -43,6 +43,12 @@ def _rebuild_config_error(cls: type, path: str, message: str, value: Any,
     return cls(path, message, value=value, suggestion=suggestion)
 
 
+class AssertedConfigError(ConfigError, AssertionError):
+    """A configuration value DeepSpeed refuses with an ``assert`` (an odd
+    ``allgather_bucket_size`` at stages 1-2): a ConfigError naming the key, and the
+    ``AssertionError`` code written for DeepSpeed catches."""
+
+
 class RankMismatchError(ZeroTrainError, RuntimeError):
     """Ranks disagree about something that must be identical (model, config, world size)."""
 

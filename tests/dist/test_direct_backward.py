@@ -1,7 +1,8 @@
 """``loss.backward()`` then ``engine.step()`` trains exactly like ``engine.backward(loss)``
-(DeepSpeed accepts it since 0.18): at stages 0-3, in fp32, and in fp16 with the loss scaled
+(DeepSpeed accepts it since 0.18): at stages 1-3, in fp32, and in fp16 with the loss scaled
 by ``engine.scale(loss)`` as DeepSpeed documents; the engine divides by the accumulation
-steps itself."""
+steps itself. At stage 0 it is refused before any gradient exists, as DeepSpeed refuses
+it there, and training through ``engine.backward`` goes on unchanged."""
 import pytest
 import torch
 
@@ -16,6 +17,10 @@ def _train(rank, world, stage, precision, direct):
     config = R.engine_config(stage=stage, ga=GA, precision=precision, clip=1.0)
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
+    if direct == "refused":   # stage 0: refused at once, nothing of it left behind
+        with pytest.raises(RuntimeError, match="Direct calls to tensor.backward"):
+            engine(*R.micro_batch(0, rank, 0)).backward()
+        direct = False
     for step in range(STEPS):
         for micro in range(GA):
             loss = engine(*R.micro_batch(step, rank, micro))
@@ -35,7 +40,8 @@ def _compare(rank, world):
     for stage in (0, 1, 2, 3):
         for precision in (("fp32", "fp16") if stage == 1 else ("fp32",)):
             managed = _train(rank, world, stage, precision, direct=False)
-            direct = _train(rank, world, stage, precision, direct=True)
+            direct = _train(rank, world, stage, precision,
+                            direct="refused" if stage == 0 else True)
             out[(stage, precision)] = (managed, direct)
     return out
 

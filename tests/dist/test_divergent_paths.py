@@ -272,3 +272,48 @@ def test_device_path_gathers_each_unit_in_one_flat_launch_with_its_header(worlds
         # 16 bytes per rank per gather; each step's all-reduce carries 16 float32 (x2)
         assert header_bytes == 16 * 2 * launches + STEPS * 2 * 16 * 4, header_bytes
         assert error == "RankDivergenceError", error
+
+
+class _ByCounter(torch.nn.Module):
+    """DeepSpeed's ``ChooseModuleByCounter``: each forward runs the next of two layers."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.linears = torch.nn.ModuleList(
+            [torch.nn.Linear(width, width, bias=False) for _ in range(2)])
+        self.counter = 0
+
+    def forward(self, x, y):
+        x = torch.relu(self.linears[self.counter % 2](x))
+        self.counter += 1
+        return torch.nn.functional.cross_entropy(x, y)
+
+
+def _leaf_without_input_grads(rank, world):
+    import zerotrain
+    from zerotrain.utils import set_z3_leaf_modules
+    out = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = _ByCounter()
+        if stage == 3:
+            set_z3_leaf_modules(model, [_ByCounter])
+        engine, *_ = zerotrain.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+                "stage": stage, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(STEPS + 1):   # the inputs need no gradient
+            engine.backward(engine(torch.randn(2, 16, generator=g),
+                                   torch.randint(0, 16, (2,), generator=g)))
+            engine.step()
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            out[stage] = [p.detach().clone() for p in model.parameters()]
+        engine.destroy()
+    return all(torch.equal(a, b) for a, b in zip(out[0], out[3]))
+
+
+def test_a_leaf_module_whose_inputs_need_no_gradient_trains_like_stage_0(worlds):
+    """DeepSpeed's backward reads the leaf's released parameters here and fails (a
+    deliberate difference, docs/from-deepspeed.md); zerotrain trains it exactly."""
+    assert worlds.run(2, _leaf_without_input_grads) == [True, True]

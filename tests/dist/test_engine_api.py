@@ -349,6 +349,26 @@ def _client_optimizers_job(rank, world):
                 out[(name, allow)] = "trained"
             except ConfigError as e:
                 out[(name, allow)] = str(e)
+    # the optimizer offloaded: DeepSpeed's zero_force_ds_cpu_optimizer (on by default)
+    # takes DeepSpeedCPUAdam only, unless it is false
+    from zerotrain.ops.adam import DeepSpeedCPUAdam
+    for name, force in (("Adam", None), ("Adam", False), ("DeepSpeedCPUAdam", None)):
+        model = R.make_model()
+        config = R.engine_config(stage=1)
+        del config["optimizer"]
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if force is not None:
+            config["zero_force_ds_cpu_optimizer"] = force
+        cls = DeepSpeedCPUAdam if name == "DeepSpeedCPUAdam" else torch.optim.Adam
+        try:
+            engine, *_ = zerotrain.initialize(model=model, optimizer=cls(model.parameters()),
+                                              config=config)
+            R.train_engine(engine, steps=1, rank=rank, ga=1)
+            assert engine.zero_force_ds_cpu_optimizer() is (force is None)
+            engine.destroy()
+            out[("offloaded", name, force)] = "trained"
+        except ConfigError as e:
+            out[("offloaded", name, force)] = str(e)
     return out
 
 
@@ -359,6 +379,11 @@ def test_a_client_optimizer_not_known_to_be_elementwise_is_refused_by_name(world
         assert "zero_allow_untested_optimizer" in refused, refused
         assert out[("Adafactor", True)] == "trained"     # DeepSpeed's key steps it anyway
         assert out[("RMSprop", False)] == out[("RMSprop", True)] == "trained"
+        refused = out[("offloaded", "Adam", None)]
+        assert refused.startswith("zero_force_ds_cpu_optimizer") and (
+            "torch.optim.adam.Adam is not DeepSpeedCPUAdam") in refused, refused
+        assert out[("offloaded", "Adam", False)] == "trained"
+        assert out[("offloaded", "DeepSpeedCPUAdam", None)] == "trained"
 
 
 def _deepspeed_accessors_job(rank, world):

@@ -105,6 +105,34 @@ def test_gradient_allreduce_op_mean_is_read_and_sum_is_refused_by_name():
         load_config({**base, "gradient_allreduce_op": "max"}, world_size=1)
 
 
+def test_partition_parameters_names_zero_init_base_and_linear_wrap(deepspeed):
+    from deepspeed.runtime.zero.partition_parameters import (
+        InsertPostInitMethodToModuleSubClasses, zero3_linear_wrap)
+    from zerotrain.zero.linear import zero3_linear_wrap as ours
+    assert zero3_linear_wrap is ours
+    linear = torch.nn.functional.linear
+    init = deepspeed.zero.Init(enabled=False, mem_efficient_linear=True)
+    assert isinstance(init, InsertPostInitMethodToModuleSubClasses)
+    with init:   # F.linear is never replaced, so DeepSpeed's backup of it never exists
+        assert torch.nn.functional.linear is linear
+    assert not hasattr(InsertPostInitMethodToModuleSubClasses, "linear_bk")
+
+
+def test_an_odd_allgather_bucket_size_is_refused_where_deepspeed_asserts_it():
+    def load(stage, size, **extra):
+        return load_config({"train_batch_size": 2, "zero_optimization": {
+            "stage": stage, "allgather_bucket_size": size}, **extra}, world_size=1)
+    for stage in (1, 2):   # DeepSpeedZeroOptimizer: a ConfigError and its AssertionError
+        with pytest.raises(AssertionError, match="must be a multiple of "
+                                                 "nccl_start_alignment_factor, 2"):
+            load(stage, 1001)
+        with pytest.raises(ConfigError, match="zero_optimization.allgather_bucket_size"):
+            load(stage, 1001)
+        assert load(stage, 1000).zero_optimization.allgather_bucket_size == 1000
+    load(0, 1001), load(3, 1001)   # no DeepSpeedZeroOptimizer there
+    load(1, 1001, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})   # BF16_Optimizer
+
+
 def test_load_state_dict_from_zero_checkpoint_loads_the_full_weights(monkeypatch, deepspeed):
     from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
     from zerotrain.checkpoint import consolidate

@@ -5,7 +5,7 @@ sizes and the world size) is checked here, after the whole file has been validat
 """
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..errors import AssertedConfigError, ConfigError
 from .schema import ZeroTrainConfig
 from .sections import TORCH_COMPILE_KWARGS
 from .walk import _unknown_key, _Walk
@@ -19,6 +19,7 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
         raise ConfigError("fp16.enabled", f"fp16.enabled and {bf16} are both true; "
                                           "enable at most one of them", value=True)
     _check_allreduce_op(result.gradient_allreduce_op)
+    _check_allgather_alignment(result, walk)
     for key in result.compile.kwargs:
         if key not in TORCH_COMPILE_KWARGS:
             raise _unknown_key(key, walk.user_path(f"compile.kwargs.{key}"),
@@ -80,3 +81,28 @@ def _check_allreduce_op(op: str) -> None:
     if op != "mean":
         raise ConfigError("gradient_allreduce_op", 'must be "mean" or "sum" (DeepSpeed\'s '
                           "values)", value=op)
+
+
+# DeepSpeed's stage 1-2 optimizer aligns each rank's all-gather send buffer to 4 bytes
+# (2 elements of 16 bits) and asserts that the bucket size is a multiple of that.
+_NCCL_START_ALIGNMENT_FACTOR = 2
+
+
+def _check_allgather_alignment(result: ZeroTrainConfig, walk: _Walk) -> None:
+    """An odd ``allgather_bucket_size`` where DeepSpeed's ``DeepSpeedZeroOptimizer`` runs
+    (stages 1-2, except stage 1 with bf16, ``grad_accum_dtype: "fp32"`` and no optimizer
+    offload, its ``BF16_Optimizer``) is refused as DeepSpeed refuses it. zerotrain's
+    gathers need no alignment; refusing keeps a config that runs here one that runs there."""
+    zero = result.zero_optimization
+    size = int(zero.allgather_bucket_size)
+    if zero.stage not in (1, 2) or size % _NCCL_START_ALIGNMENT_FACTOR == 0:
+        return
+    offloaded = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
+    if (zero.stage == 1 and result.bf16.enabled and not offloaded
+            and result.data_types.grad_accum_dtype == "fp32"):
+        return   # DeepSpeed's BF16_Optimizer, which does not assert it
+    raise AssertedConfigError(
+        walk.user_path("zero_optimization.allgather_bucket_size"),
+        "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, "
+        f"{_NCCL_START_ALIGNMENT_FACTOR} (DeepSpeed's ZeRO stage 1-2 optimizer asserts it)",
+        value=size, suggestion=f"use {size + 1}")

@@ -34,7 +34,7 @@ _UNIMPLEMENTED_NAMES = {
         progressive_layer_drop quantize_training seq_parallel_comm_data_type
         sequence_parallel_size sparse_attention sparse_gradients tensorboard
         timers torch_autocast use_data_before_expert_parallelism vocabulary_size wandb
-        weight_quantization zero_force_ds_cpu_optimizer""",
+        weight_quantization""",
     # DeepSpeed takes both the stage3_ alias and the bare field name of its stage-3 options.
     "zero_optimization": """cpu_offload cpu_offload_param cpu_offload_params
         cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks

@@ -17,13 +17,16 @@ Note: no_sync
     backward has followed, raises StateError instead of updating with one rank's
     gradients; ``step()`` at other micro-steps only counts them. Stages 2 and 3 reduce-scatter
     every backward's gradients into shards, so there ``no_sync`` refuses, as DeepSpeed's
-    does. Nesting is allowed (leaving the inner context restores the outer state, as with
-    DDP's ``no_sync``; DeepSpeed refuses re-entry).
+    does. Nesting ``no_sync`` in ``no_sync`` is allowed (leaving the inner context restores
+    the outer state, as with DDP's ``no_sync``; DeepSpeed refuses re-entry); ``no_sync``
+    inside ``coalesce_grad_reduction()`` and the reverse are refused, as in DeepSpeed: the
+    block's exit is its one reduction, and an inner context would change which backwards
+    it covers.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from ..errors import ContextMisuseError
 
@@ -47,6 +50,11 @@ class EngineAccumulation:
                 f"{self.zero_optimization_stage()}: it partitions gradients, reduce-scattering "
                 "each backward's gradients into shards, so none can stay local (DeepSpeed "
                 "refuses it there too); accumulate with gradient_accumulation_steps instead")
+        if self._coalescing:
+            raise ContextMisuseError(
+                "engine.no_sync() inside coalesce_grad_reduction(): the block already keeps "
+                "its backwards local and reduces them once at its exit; nesting no_sync in it "
+                "is refused, as in DeepSpeed")
         outer, self.inside_no_sync_ctxt = self.inside_no_sync_ctxt, True
         try:
             yield
@@ -66,6 +74,15 @@ class EngineAccumulation:
         if self.pipeline_parallelism:
             raise NotImplementedError("coalesce_grad_reduction is not supported with "
                                       "pipeline parallelism")
+        wrapper = _unpatchable_wrapper(getattr(self, "optimizer", None))
+        if wrapper is not None:
+            raise NotImplementedError(
+                f"coalesce_grad_reduction does not support the optimizer wrapper {wrapper} "
+                "that DeepSpeed uses for this config (ZeRO stage 1 with bf16 parameters, "
+                "data_types.grad_accum_dtype \"fp32\" and no optimizer offload), as in "
+                "DeepSpeed; remove data_types.grad_accum_dtype (zerotrain accumulates in fp32 "
+                "by default, and DeepSpeed then uses its ZeRO optimizer, which takes the "
+                "block), offload the optimizer, or use stage 2")
         if self.inside_no_sync_ctxt or self._coalescing:
             raise ContextMisuseError("coalesce_grad_reduction cannot be nested inside another no_sync "
                              "or coalesce_grad_reduction block")
@@ -82,3 +99,13 @@ class EngineAccumulation:
                 self.stage.buckets.begin(True)
                 self.stage.finish_backward()
                 self._local_backwards = 0
+
+
+def _unpatchable_wrapper(optimizer: Any) -> Optional[str]:
+    """The DeepSpeed optimizer wrapper this engine's optimizer stands for when DeepSpeed's
+    ``coalesce_grad_reduction`` refuses it (``BF16_Optimizer``: its own gradient path, which
+    the block cannot patch), else None. zerotrain's stage 1 could run the block there; it
+    refuses so that a script behaves the same on both, and loses nothing: without the
+    explicit ``grad_accum_dtype`` key zerotrain accumulates in fp32 all the same."""
+    kinds = getattr(optimizer, "deepspeed_kinds", ())
+    return "BF16_Optimizer" if "BF16_Optimizer" in kinds else None

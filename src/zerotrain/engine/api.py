@@ -103,6 +103,10 @@ class DeepSpeedEngineAPI:
         section = self.zero_offload_optimizer()
         return section is not None and section.device == "cpu"
 
+    def zero_force_ds_cpu_optimizer(self) -> bool:
+        """DeepSpeed's key: whether an offloaded client optimizer must be DeepSpeedCPUAdam."""
+        return self.config.zero_force_ds_cpu_optimizer
+
     def zero_use_cpu_optimizer(self) -> bool:
         """Whether the optimizer steps on the host (state offloaded to ``cpu`` or ``nvme``)."""
         section = self.zero_offload_optimizer()

@@ -15,13 +15,22 @@ Note: how
     module computes itself (a Hugging Face model's ``outputs.loss``) is one of the outputs,
     so it is scaled once, at its own gate, never again through the logits it came from.
     Inside ``engine.backward`` the node passes gradients through unchanged.
+
+Note: stage 0
+    DeepSpeed takes a direct backward only where its optimizer is a ZeRO optimizer (stages
+    1-3) and raises ``RuntimeError`` ("Direct calls to tensor.backward() are not supported
+    ...") at stage 0, before any gradient exists. zerotrain refuses it there the same way
+    (``refusal``), at the first gate, so nothing of the backward has run and
+    ``engine.backward(loss)`` works after it.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from ..errors import StateError
 
 __all__ = ["DirectBackward"]
 
@@ -43,8 +52,10 @@ class DirectBackward:
     """Routes backwards that do not come through ``engine.backward`` to the engine's
     prologue and epilogue (Note: how)."""
 
-    def __init__(self, prologue: Callable[[], float], epilogue: Callable[[], None]) -> None:
+    def __init__(self, prologue: Callable[[], float], epilogue: Callable[[], None],
+                 refusal: Optional[str] = None) -> None:
         self._prologue, self._epilogue = prologue, epilogue
+        self._refusal = refusal   # why a direct backward is refused here (Note: stage 0)
         self._managed = 0
         self._running = False
         self._factor = 1.0
@@ -70,6 +81,8 @@ class DirectBackward:
     def on_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         if self._managed:
             return grad
+        if self._refusal is not None:
+            raise StateError(self._refusal)
         if not self._running:
             self._running = True
             self._factor = self._prologue()

@@ -91,7 +91,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._drop_grads_at_backward = False   # optimizer.zero_grad() (optimizer_views.py)
         self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
         self._local_backwards = 0          # no_sync backwards no reduction has taken yet
-        self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue)
+        self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue,
+                                      _direct_backward_refusal(config))
         self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
         self._coalescing = False   # inside coalesce_grad_reduction()
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
@@ -423,6 +424,17 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         """DeepSpeed's ``reload_states``: every state ``offload_states`` moved back on the
         device."""
         self._moved.reload(non_blocking=non_blocking)
+
+
+def _direct_backward_refusal(config: ZeroTrainConfig) -> Optional[str]:
+    """Why a plain ``loss.backward()`` is refused with this config, or None: at stage 0, as
+    DeepSpeed refuses it there (Note "stage 0" in ``direct_backward.py``)."""
+    if config.zero_optimization.stage != 0:
+        return None
+    return ("Direct calls to tensor.backward() are not supported at ZeRO stage 0 (as in "
+            "DeepSpeed): call engine.backward(loss) instead, or use stage 1-3, where "
+            "loss.backward() then engine.step() works")
+
 
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))

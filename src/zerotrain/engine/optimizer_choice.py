@@ -14,6 +14,7 @@ from torch import nn
 from ..config import ZeroTrainConfig
 from ..errors import ConfigError
 from ..moe.utils import configure_moe_param_groups, has_moe_layers
+from ..ops.adam import DeepSpeedCPUAdam
 from ..optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
                      retarget_optimizer)
 from ..schedules import build_scheduler
@@ -40,6 +41,26 @@ def trainable_groups(model: nn.Module, optimizer, model_parameters) -> list[dict
     if not any(g["params"] for g in groups):
         raise ConfigError("model_parameters", "the model has no trainable parameters")
     return groups
+
+
+def refuse_offloaded_client_optimizer(cfg: ZeroTrainConfig, client) -> None:
+    """DeepSpeed's ``zero_force_ds_cpu_optimizer`` (on by default): with the optimizer
+    offloaded (``offload_optimizer.device`` cpu or nvme), a client optimizer must be a
+    ``DeepSpeedCPUAdam``, the host optimizer both provide; any other is refused unless the
+    key is false, as DeepSpeed refuses it. zerotrain could step it on the host as it is; it
+    refuses so that a config that runs here runs under DeepSpeed too."""
+    offload = cfg.zero_optimization.offload_optimizer
+    if (client is None or not cfg.zero_force_ds_cpu_optimizer or offload is None
+            or offload.device not in ("cpu", "nvme") or isinstance(client, DeepSpeedCPUAdam)):
+        return
+    cls = type(client)
+    raise ConfigError(
+        "zero_force_ds_cpu_optimizer", f"the optimizer is offloaded (zero_optimization."
+        f"offload_optimizer.device {offload.device!r}) and the client optimizer "
+        f"{cls.__module__}.{cls.__qualname__} is not DeepSpeedCPUAdam; DeepSpeed refuses this "
+        "too. Pass deepspeed.ops.adam.DeepSpeedCPUAdam (zerotrain.ops.adam), put the "
+        "optimizer in the config's optimizer section, or set \"zero_force_ds_cpu_optimizer\": "
+        "false to step this one on the host", value=True)
 
 
 def optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device):

@@ -183,6 +183,8 @@ class ZeroTrainer(Trainer):
         else:
             self.optimizer = self._client_optimizer
             optimizer, params = self.create_optimizer(), None
+            # the Trainer's own optimizer is meant, offloaded or not (unless the config says)
+            config.setdefault("zero_force_ds_cpu_optimizer", False)
         if release_model(self.model):   # a Trainer before this one trained the same model
             logger.info("closed the zerotrain engine of an earlier Trainer on this model")
         engine, *_ = initialize(model=self.model, optimizer=optimizer,

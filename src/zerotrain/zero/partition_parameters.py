@@ -18,11 +18,21 @@ import torch
 
 from ..stages.zero3.zero_init import _contradicting_single_rank_pg_error
 from . import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
+from .linear import zero3_linear_wrap
 
-__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus",
+__all__ = ["GatheredParameters", "Init", "InsertPostInitMethodToModuleSubClasses",
+           "MultipleAllGatherHandles", "ZeroParamStatus", "zero3_linear_wrap",
            "_orig_torch_arange", "_orig_torch_empty", "partitioned_param_data_shape",
            "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor",
            "_contradicting_single_rank_pg_error"]
+
+# DeepSpeed's base class of ``zero.Init``: the context that wraps every module class's
+# ``__init__`` to partition each module once built. Here that context is ``Init`` itself.
+# DeepSpeed also keeps torch's ``F.linear`` on it as ``linear_bk`` when it puts
+# ``zero3_linear_wrap`` in its place for the rest of the process (``memory_efficient_linear``);
+# zerotrain never replaces ``F.linear`` (docs/from-deepspeed.md, "Deliberate differences"),
+# so the attribute never exists.
+InsertPostInitMethodToModuleSubClasses = Init
 
 # DeepSpeed's names for the unwrapped constructors (zerotrain's Init replaces neither)
 _orig_torch_arange = torch.arange

@@ -10,6 +10,16 @@ Note: partition at construction
     partitioned parameter, initialise it in full with the same random stream, and partition
     it again. Every rank must build the same modules in the same order.
 
+Note: skip_init's memory
+    ``to_empty`` leaves a ``skip_init`` module's parameters as whatever memory it got, for
+    the caller to initialise; DeepSpeed broadcasts rank 0's bytes. A model that never
+    initialises them (DeepSpeed's own ``TestParamPartitioningSkipInit``) trained from
+    leftover heap bytes, which in bf16 read as values near the dtype's limits, inf or NaN:
+    some runs stopped at a NaN gradient, others not. zerotrain partitions zeros instead:
+    the same on every rank and in every run, finite, and what a later initialisation
+    overwrites anyway (inside the context ``torch.nn.init`` gathers, writes the full value
+    and partitions it again, Note: partition at construction).
+
 Note: the same weights through transformers' ZeRO-3 path
     ``from_config``/``from_pretrained`` under a DeepSpeed ZeRO-3 config enter transformers'
     ``no_init_weights`` (torch's init functions become no-ops) before ``zero.Init``, then
@@ -239,14 +249,17 @@ class Init:
     def _partition_after_to_empty(self, module: nn.Module) -> None:
         """A module built on the meta device has no values to partition yet:
         ``torch.nn.utils.skip_init`` builds it there and then calls ``to_empty(device=...)``.
-        Partition right after that call (rank 0's memory, whatever it holds, is broadcast
-        as for any new module), as DeepSpeed does."""
+        Partition right after that call, as DeepSpeed does (Note: skip_init's memory)."""
         if "to_empty" in module.__dict__:
             return
 
         def to_empty(*args: Any, **kwargs: Any) -> nn.Module:
             del module.to_empty
             out = type(module).to_empty(module, *args, **kwargs)
+            with torch.no_grad():
+                for p in module.parameters():
+                    if not P.is_partitioned(p):
+                        p.zero_()
             self._partition_module(module)
             return out
         module.to_empty = to_empty

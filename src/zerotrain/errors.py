@@ -58,6 +58,17 @@ class ContextMisuseError(StateError, AssertionError):
     both, and a StateError."""
 
 
+class AccumulationModeError(StateError, AssertionError):
+    """A call the accumulation mode does not allow: with ``managed_gradient_accumulation``
+    false the caller's ``step()`` is the boundary, so ``set_gradient_accumulation_boundary()``
+    and ``coalesce_grad_reduction()`` are refused. DeepSpeed asserts these: this is both."""
+
+
+class ConfigConflictError(ConfigError, AssertionError):
+    """Two config keys that cannot be used together, where DeepSpeed refuses them with an
+    ``assert`` at ``initialize``: a ConfigError naming the key, and an AssertionError."""
+
+
 class LossValueError(ZeroTrainError, ValueError, AssertionError):
     """A loss that is not one number where one is needed (``engine.scale``). DeepSpeed
     asserts it, so this is also an ``AssertionError``."""

@@ -82,13 +82,16 @@ def _misuse(rank, world, stage):
                 pass
     with pytest.raises(StateError, match="without any engine.backward"):
         engine.step()   # nothing to apply: never an update of zeros
+    engine.backward(engine(*R.micro_batch(0, rank, 1)))
+    with pytest.raises(StateError, match="only inside engine.step"):   # not reduced yet
+        zerotrain.utils.safe_get_full_grad(next(engine.module.parameters()))
     if stage < 2:   # no_sync: allowed, the step reduces; a step inside it is refused
         with engine.no_sync():
             engine.backward(engine(*R.micro_batch(0, rank, 0)))
             with pytest.raises(StateError, match="inside engine.no_sync"):
                 engine.step()
-        engine.step()
-        assert engine.was_step_applied()
+    engine.step()
+    assert engine.was_step_applied()
     # rank 1 runs one backward more: at stage 2 its third backward meets rank 0's step
     with pytest.raises(RankDivergenceError, match=r"rank 0: an update after 2 backward\(s\); "
                        r"rank 1: (an update after 3 backward\(s\)|backward 3)"):

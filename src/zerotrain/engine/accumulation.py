@@ -1,4 +1,5 @@
-"""Which backwards reduce: the engine's ``no_sync()`` and ``coalesce_grad_reduction()``.
+"""Which backwards reduce: the engine's ``no_sync()`` and ``coalesce_grad_reduction()``,
+and ``managed_gradient_accumulation: false``, where the caller's ``step()`` ends the window.
 
 Why a module of its own: the two contexts only say whether the backwards inside keep their
 gradients on this rank; the engine's ``backward`` and ``step`` read that (``inside_no_sync_ctxt``,
@@ -62,7 +63,9 @@ from ..errors import AccumulationModeError, ContextMisuseError, RankDivergenceEr
 
 
 class EngineAccumulation:
-    """``no_sync()`` and ``coalesce_grad_reduction()`` (Note: no_sync)."""
+    """``no_sync()`` and ``coalesce_grad_reduction()`` (Note: no_sync), and the window the
+    caller's ``step()`` ends with ``managed_gradient_accumulation: false`` (Note: unmanaged
+    accumulation)."""
 
     stage: Any
     config: Any

@@ -2,6 +2,8 @@
 gloo ranks: every ``step()`` ends the caller's window and applies an update, and N backwards
 then one step equal the managed loop with ``gradient_accumulation_steps`` N bit for bit, at
 stages 0-3; misuse and ranks that disagree raise, naming why."""
+import logging
+
 import pytest
 import torch
 
@@ -66,7 +68,7 @@ def test_unmanaged_windows_equal_the_managed_loop(worlds, stage):
             [False] * 3 + [(True, 2, 6 * micro, 2)]
 
 
-def _misuse(rank, world, stage):
+def _misuse(rank, world, stage, save_dir):
     import zerotrain
     from zerotrain.errors import RankDivergenceError, StateError
 
@@ -91,7 +93,21 @@ def _misuse(rank, world, stage):
             with pytest.raises(StateError, match="inside engine.no_sync"):
                 engine.step()
     engine.step()
-    assert engine.was_step_applied()
+    assert engine.was_step_applied() and engine.micro_steps == 1   # odd, gas 2: no window open
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("zerotrain").addHandler(handler)
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+        engine.backward(engine(*R.micro_batch(0, rank, 2)))
+        engine.save_checkpoint(save_dir, tag="t")
+    finally:
+        logging.getLogger("zerotrain").removeHandler(handler)
+    assert [m for m in warned if "middle of gradient accumulation" in m] == \
+        ["saving in the middle of gradient accumulation (micro step 1): the gradients "
+         "accumulated so far are not saved"]
+    engine.step()
     # rank 1 runs one backward more: at stage 2 its third backward meets rank 0's step
     with pytest.raises(RankDivergenceError, match=r"rank 0: an update after 2 backward\(s\); "
                        r"rank 1: (an update after 3 backward\(s\)|backward 3)"):
@@ -103,5 +119,5 @@ def _misuse(rank, world, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_unmanaged_misuse_and_diverging_ranks_raise(worlds, stage):
-    assert worlds.run(2, _misuse, stage) == [True, True]
+def test_unmanaged_misuse_and_diverging_ranks_raise(worlds, stage, tmp_path):
+    assert worlds.run(2, _misuse, stage, str(tmp_path)) == [True, True]

@@ -36,6 +36,7 @@ class EnginePersistence:
     loss_scaler: Any
     training_dataloader: Any
     micro_steps: int
+    _backward_in_window: bool
     last_checkpoint_report: Any
     _moved: Any
     _checkpoint_writer: Optional[checkpoint.BackgroundWriter]
@@ -69,7 +70,8 @@ class EnginePersistence:
             raise StateError("save_checkpoint(exclude_frozen_parameters=True) is not "
                              "implemented: zerotrain's checkpoint holds every parameter, "
                              "frozen ones included; call it without the argument")
-        if self.micro_steps % self.gradient_accumulation_steps() != 0:
+        if (self.micro_steps % self.gradient_accumulation_steps() != 0
+                if self.managed_gradient_accumulation() else self._backward_in_window):
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
         self.settle()

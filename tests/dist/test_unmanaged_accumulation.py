@@ -17,13 +17,17 @@ def _params(engine):
         return [p.detach().clone() for p in params]
 
 
-def _train(rank, stage, managed, counts, *, override=False, optimizer_step=False):
+def _train(rank, stage, offload, managed, counts, *, override=False, optimizer_step=False):
     """One engine through windows of ``counts[w]`` backwards; managed: ``step()`` after each
     backward (``override``: the caller marks each window's last backward), unmanaged: one
     ``step()`` (or ``optimizer.step()``) per window."""
     import zerotrain
     config = R.engine_config(stage=stage, ga=3)
     config["managed_gradient_accumulation"] = managed
+    if offload:   # the host update takes gradients no boundary backward streamed down
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, optimizer, *_ = zerotrain.initialize(model=R.make_model(), config=config)
     seen = []
     for w, n in enumerate(counts):
@@ -47,20 +51,22 @@ def _train(rank, stage, managed, counts, *, override=False, optimizer_step=False
     return out, seen
 
 
-def _job(rank, world, stage):
-    managed, _ = _train(rank, stage, True, [3, 3])
-    unmanaged, seen = _train(rank, stage, False, [3, 3])
-    direct, _ = _train(rank, stage, False, [3, 3], optimizer_step=True)
-    by_hand, _ = _train(rank, stage, True, [1, 4], override=True)
-    varying, _ = _train(rank, stage, False, [1, 4])
+def _job(rank, world, stage, offload):
+    managed, _ = _train(rank, stage, offload, True, [3, 3])
+    unmanaged, seen = _train(rank, stage, offload, False, [3, 3])
+    direct, _ = _train(rank, stage, offload, False, [3, 3], optimizer_step=True)
+    by_hand, _ = _train(rank, stage, offload, True, [1, 4], override=True)
+    varying, _ = _train(rank, stage, offload, False, [1, 4])
     same = [all(torch.equal(a, b) for a, b in zip(managed, x)) for x in (unmanaged, direct)]
     return same + [all(torch.equal(a, b) for a, b in zip(by_hand, varying)),
                    all(torch.equal(a, b) for a, b in zip(managed, by_hand)), seen]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_unmanaged_windows_equal_the_managed_loop(worlds, stage):
-    for same_as_managed, same_direct, same_varying, differs, seen in worlds.run(2, _job, stage):
+@pytest.mark.parametrize("stage,offload", [(0, False), (1, False), (2, False), (3, False),
+                                           (1, True), (3, True)])
+def test_unmanaged_windows_equal_the_managed_loop(worlds, stage, offload):
+    for same_as_managed, same_direct, same_varying, differs, seen in worlds.run(2, _job, stage,
+                                                                               offload):
         assert same_as_managed and same_direct and same_varying
         assert not differs   # other windows train to other weights: the check can fail
         micro = 4 * 2   # micro-batch of 4, 2 ranks: each backward counts 8 samples

@@ -71,8 +71,8 @@ class DirectBackward:
         if self._managed:
             return grad
         if not self._running:
+            self._factor = self._prologue()   # may raise (ranks disagree): nothing started
             self._running = True
-            self._factor = self._prologue()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         return grad * self._factor
 

@@ -45,8 +45,9 @@ def _rebuild_config_error(cls: type, path: str, message: str, value: Any,
 
 class AssertedConfigError(ConfigError, AssertionError):
     """A configuration value DeepSpeed refuses with an ``assert`` (an odd
-    ``allgather_bucket_size`` at stages 1-2): a ConfigError naming the key, and the
-    ``AssertionError`` code written for DeepSpeed catches."""
+    ``allgather_bucket_size`` at stages 1-2, ``overlap_comm`` with unmanaged accumulation
+    at stages 0-1): a ConfigError naming the key, and the ``AssertionError`` code written
+    for DeepSpeed catches."""
 
 
 class RankMismatchError(ZeroTrainError, RuntimeError):
@@ -68,6 +69,13 @@ class UnusedParameterError(StateError, AssertionError):
     """A trainable parameter got no gradient in an accumulation window while
     ``zero_optimization.ignore_unused_parameters`` is false; raised on every rank. DeepSpeed
     asserts it, so this is also an ``AssertionError``."""
+
+
+class AccumulationModeError(StateError, AssertionError):
+    """A call the accumulation mode does not allow: with ``managed_gradient_accumulation``
+    false the caller's ``step()`` is the boundary, so ``set_gradient_accumulation_boundary()``
+    and ``coalesce_grad_reduction()`` are refused. DeepSpeed asserts these: this is both."""
+
 
 
 class LossValueError(ZeroTrainError, ValueError, AssertionError):

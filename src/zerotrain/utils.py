@@ -367,6 +367,10 @@ def _reduced_gradient(engine: Any, record: Any, what: str) -> Optional[torch.Ten
     backward ran in this window. Refused before the window's last backward."""
     if not engine._backward_in_window:
         return None
+    if not engine.managed_gradient_accumulation() and not engine._in_step:
+        raise StateError(f"{what}: with managed_gradient_accumulation=False the window's "
+                         "gradients are reduced over ranks only inside engine.step(), which "
+                         "ends the window and clears them after the update")
     if not engine.is_gradient_accumulation_boundary():
         raise StateError(f"{what}: gradients are reduced over ranks at the end of the "
                          "accumulation window; call it after the backward of its last "

@@ -84,15 +84,28 @@ def test_keys_that_change_training_are_refused_by_name_when_on(extra, key):
     load_config({"train_batch_size": 2, **off}, world_size=1)   # off: accepted, no effect
 
 
-def test_unmanaged_gradient_accumulation_is_refused_by_name():
-    """``managed_gradient_accumulation: false`` would make every step() an update; ignoring
-    it would update only every gradient_accumulation_steps backwards."""
-    for off in (False, 0):
-        with pytest.raises(ConfigError, match="^managed_gradient_accumulation: .*not implemented"):
-            load_config({"train_batch_size": 2, "managed_gradient_accumulation": off},
+def test_unmanaged_gradient_accumulation_is_read_and_refused_with_overlap_below_stage_2():
+    """``managed_gradient_accumulation`` is read (1/0 as booleans, as DeepSpeed reads them);
+    unmanaged, stages 0-1 reduce in step(), so overlap_comm is refused there as DeepSpeed
+    asserts, with an error that is a ConfigError and an AssertionError."""
+    from zerotrain.errors import AssertedConfigError
+    for value, managed in ((False, False), (0, False), (True, True), (1, True)):
+        config = load_config({"train_batch_size": 2, "managed_gradient_accumulation": value},
+                             world_size=1)
+        assert config.managed_gradient_accumulation is managed
+        assert "managed_gradient_accumulation" not in config.unimplemented_keys
+    assert load_config({"train_batch_size": 2}, world_size=1).managed_gradient_accumulation
+    for stage in (0, 1):
+        with pytest.raises(AssertedConfigError, match="^zero_optimization.overlap_comm: "
+                           "managed_gradient_accumulation=False supports ZeRO overlap_comm "
+                           "only with ZeRO stage 2") as caught:
+            load_config({"train_batch_size": 2, "managed_gradient_accumulation": False,
+                         "zero_optimization": {"stage": stage, "overlap_comm": True}},
                         world_size=1)
-    for on in (True, 1):
-        load_config({"train_batch_size": 2, "managed_gradient_accumulation": on}, world_size=1)
+        assert isinstance(caught.value, AssertionError) and isinstance(caught.value, ConfigError)
+    for stage in (2, 3):   # these reduce during every backward: overlap_comm stays on
+        load_config({"train_batch_size": 2, "managed_gradient_accumulation": False,
+                     "zero_optimization": {"stage": stage, "overlap_comm": True}}, world_size=1)
 
 
 def test_offload_config_enums_and_offload_states_on_a_host_run(switch, worlds):

@@ -24,11 +24,25 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
         if key not in TORCH_COMPILE_KWARGS:
             raise _unknown_key(key, walk.user_path(f"compile.kwargs.{key}"),
                                list(TORCH_COMPILE_KWARGS), [])
+    _check_unmanaged_accumulation(result)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(result.zero_optimization, name)
         if offload is not None and offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError(f"zero_optimization.{name}.nvme_path",
                               'is required when device is "nvme"')
+
+
+def _check_unmanaged_accumulation(result: ZeroTrainConfig) -> None:
+    """``managed_gradient_accumulation: false`` reduces stage 0-1 gradients in ``step()``,
+    after the last backward, so ``overlap_comm`` has no backward to overlap them with;
+    refused there, as DeepSpeed asserts (stages 2-3 reduce during every backward)."""
+    zero = result.zero_optimization
+    if not result.managed_gradient_accumulation and zero.overlap_comm and zero.stage < 2:
+        raise AssertedConfigError(
+            "zero_optimization.overlap_comm", "managed_gradient_accumulation=False supports "
+            f"ZeRO overlap_comm only with ZeRO stage 2 or 3: at stage {zero.stage} the "
+            "gradients are reduced in step(), after the last backward, with nothing to "
+            "overlap", value=True, suggestion="set overlap_comm to false")
 
 
 _STAGE3_ONLY = ("zero_hpz_partition_size", "zero_quantized_weights",

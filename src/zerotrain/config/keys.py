@@ -30,7 +30,7 @@ _UNIMPLEMENTED_NAMES = {
         data_efficiency dataloader_drop_last disable_allgather disable_python_gc dump_state
         eigenvalue elasticity expert_parallel flops_profiler
         gradient_predivide_factor graph_harvesting hybrid_engine log_level
-        managed_gradient_accumulation memory_breakdown nebula pipeline prescale_gradients
+        memory_breakdown nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_comm_data_type
         sequence_parallel_size sparse_attention sparse_gradients tensorboard
         timers torch_autocast use_data_before_expert_parallelism vocabulary_size wandb
@@ -88,13 +88,7 @@ REFUSED_WHEN_ON: Dict[str, str] = {
 
 
 # DeepSpeed keys on by default whose "off" changes what training computes: refused when off.
-REFUSED_WHEN_OFF: Dict[str, str] = {
-    "managed_gradient_accumulation": "false (DeepSpeed's unmanaged accumulation: every "
-                      "step() is an accumulation boundary and applies an update, whatever "
-                      "gradient_accumulation_steps says) is not implemented: zerotrain "
-                      "updates at the boundary its micro-step counter sets; remove the key "
-                      "and set gradient_accumulation_steps to the backwards per step()",
-}
+REFUSED_WHEN_OFF: Dict[str, str] = {}
 
 
 def refused_when_on(path: str, value: object) -> str:

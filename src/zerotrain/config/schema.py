@@ -42,6 +42,8 @@ class ZeroTrainConfig(_Section):
     gradient_allreduce_op: str = "mean"   # DeepSpeed's; only "mean" is implemented (checks)
     zero_allow_untested_optimizer: bool = False   # step a non-elementwise client optimizer
     zero_force_ds_cpu_optimizer: bool = True   # offload_optimizer: DeepSpeedCPUAdam only
+    # false: every step() is the accumulation boundary (Note in engine/accumulation.py)
+    managed_gradient_accumulation: bool = True
     # zerotrain's own keys (not DeepSpeed's)
     comms_timeout: float = Field(1800.0, gt=0, le=31_536_000, allow_inf_nan=False)  # s
     nonfinite: Literal["raise", "skip"] = "raise"  # bf16/fp32 inf/nan gradients

@@ -1,4 +1,5 @@
-"""Which backwards reduce: the engine's ``no_sync()`` and ``coalesce_grad_reduction()``.
+"""Which backwards reduce: the engine's ``no_sync()`` and ``coalesce_grad_reduction()``,
+and ``managed_gradient_accumulation: false``, where the caller's ``step()`` ends the window.
 
 Why a module of its own: the two contexts only say whether the backwards inside keep their
 gradients on this rank; the engine's ``backward`` and ``step`` read that (``inside_no_sync_ctxt``,
@@ -22,23 +23,126 @@ Note: no_sync
     inside ``coalesce_grad_reduction()`` and the reverse are refused, as in DeepSpeed: the
     block's exit is its one reduction, and an inner context would change which backwards
     it covers.
+
+Note: unmanaged accumulation
+    With ``managed_gradient_accumulation: false`` (DeepSpeed 0.19) the caller owns the
+    accumulation window: every ``step()`` ends it and applies an update, however many
+    backwards came before, and ``is_gradient_accumulation_boundary()`` is True only while
+    ``step()`` runs. ``backward()`` still divides the loss by
+    ``gradient_accumulation_steps`` (unless ``scale_wrt_gas=False``), as DeepSpeed's does,
+    so N backwards and one step equal the managed loop with ``gradient_accumulation_steps``
+    N, bit for bit. No backward ends the window, so at stages 0 and 1 each one only
+    accumulates on its rank, and the update (``engine.step()``, or ``optimizer.step()``)
+    reduces the sum once, with one reducing empty backward, as leaving
+    ``coalesce_grad_reduction()`` does; ``no_sync()`` changes nothing there. Stages 2 and 3
+    reduce-scatter every backward anyway, so the update only applies it.
+    ``global_samples`` grows by the backwards actually run (``train_batch_size /
+    gradient_accumulation_steps`` samples each), ``micro_steps`` by one per ``step()``.
+    Refused, naming why: ``set_gradient_accumulation_boundary()`` and
+    ``coalesce_grad_reduction()`` (each would own the boundary too), ``overlap_comm`` at
+    stages 0-1 (nothing to overlap; ``config/checks.py``), and, as in managed mode, an
+    update with no backward since the last one, or inside ``no_sync()``.
+
+    Ranks must run as many backwards before each update: stage 2 reduce-scatters in each
+    one, and a rank's extra backward would meet its peers' step (gloo aborts the process;
+    NCCL hangs). So in this mode the ranks agree first, with one all-reduce of four
+    integers (each rank's event, a backward or an update, and its backwards so far in the
+    window, with their squares: equal on every rank exactly when ``world * sum(n^2) ==
+    sum(n)^2``), before each update and, at stage 2, before each backward, and every rank
+    raises RankDivergenceError naming what each rank was doing. The cost: that all-reduce
+    and a host synchronisation per update, and per backward at stage 2. Stage 3 needs none:
+    every forward gathers units and every step sends a header, which already stop every
+    rank at the first difference (Note "held reductions" in ``zero3/gather_check.py``),
+    and a vote of its own would meet a peer's gather there instead.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator, Optional
 
-from ..errors import ContextMisuseError
+import torch
+
+from ..errors import AccumulationModeError, ContextMisuseError, RankDivergenceError
 
 
 class EngineAccumulation:
-    """``no_sync()`` and ``coalesce_grad_reduction()`` (Note: no_sync)."""
+    """``no_sync()`` and ``coalesce_grad_reduction()`` (Note: no_sync), and the window the
+    caller's ``step()`` ends with ``managed_gradient_accumulation: false`` (Note: unmanaged
+    accumulation)."""
 
     stage: Any
+    config: Any
+    comm: Any
     pipeline_parallelism = False   # DeepSpeed's engine flag: this engine runs no pipeline
     inside_no_sync_ctxt: bool
     _coalescing: bool
     _local_backwards: int
+    _in_step = False          # step() is running (the boundary in unmanaged mode)
+    _window_backwards = 0     # backwards since the last update (unmanaged global_samples)
+
+    def managed_gradient_accumulation(self) -> bool:
+        """DeepSpeed's accessor: False when the caller's ``step()`` ends every accumulation
+        window (Note: unmanaged accumulation)."""
+        return self.config.managed_gradient_accumulation
+
+    def _refuse_unmanaged(self, call: str) -> None:
+        if not self.managed_gradient_accumulation():
+            raise AccumulationModeError(
+                f"{call} is not supported with managed_gradient_accumulation=False: the "
+                "caller already owns the accumulation boundary, every step() ends the window "
+                "and reduces once (remove the call, or the key)")
+
+    @contextlib.contextmanager
+    def _step_owns_boundary(self) -> Iterator[None]:
+        """``step()`` is running: in unmanaged mode, the accumulation boundary."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+
+    def _agree_on_window(self, event: str) -> None:
+        """Unmanaged mode: every rank is at the same ``event`` ("backward" or "update") after
+        as many backwards in this window, or every rank raises (Note: unmanaged
+        accumulation). Collective."""
+        comm, n = self.comm, self._window_backwards
+        if (comm.world_size == 1 or not comm.carries_data or self.managed_gradient_accumulation()
+                or self.stage.partitions_parameters):
+            return
+        vote = torch.tensor([event == "update", 1, n, n * n], dtype=torch.int64,
+                            device=comm.device)
+        comm.all_reduce(vote, label=f"unmanaged accumulation: {event}")
+        updates, world, total, squares = vote.tolist()
+        if updates in (0, world) and world * squares == total * total:
+            return
+        seen = comm.all_gather_object((event, n), label="unmanaged accumulation report")
+        what = "; ".join(f"rank {r}: " + (f"an update after {k} backward(s)" if e == "update"
+                                           else f"backward {k + 1}")
+                         for r, (e, k) in enumerate(seen))
+        raise RankDivergenceError(
+            f"rank {comm.rank}: with managed_gradient_accumulation=False every rank must run "
+            f"the same number of backwards before each step(), and they did not ({what})")
+
+    def _reduce_window(self) -> None:
+        """Unmanaged mode, before the update: reduce what the window's backwards left on
+        this rank (stages 0-1; stages 2-3 reduced each backward already)."""
+        if not self.stage.reduces_every_micro_step:
+            self._reduce_local_gradients()
+
+    def _samples_in_window(self) -> int:
+        """Samples the ending window trained on: ``train_batch_size``, or in unmanaged mode
+        one micro-batch per rank per backward actually run, as DeepSpeed counts them."""
+        if self.managed_gradient_accumulation():
+            return self.train_batch_size()
+        return (self.train_batch_size() // self.gradient_accumulation_steps()
+                * self._window_backwards)
+
+    def _reduce_local_gradients(self) -> None:
+        """One reducing empty backward: the local sums go over the ranks once."""
+        self.stage.begin_backward(True)
+        self.stage.buckets.begin(True)
+        self.stage.finish_backward()
+        self._local_backwards = 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -68,6 +172,7 @@ class EngineAccumulation:
         after it. Stage 1 accumulates locally as under ``no_sync``; stages 2 and 3
         reduce-scatter each backward into the rank's shard sum, so there the block changes
         how many reductions run, not the mean the step applies (as DeepSpeed's flush)."""
+        self._refuse_unmanaged("coalesce_grad_reduction")
         if self.zero_optimization_stage() == 0:
             raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
                                       "got stage 0")
@@ -94,11 +199,8 @@ class EngineAccumulation:
         finally:
             self._coalescing = False
             self.inside_no_sync_ctxt = False
-            if local and self._local_backwards:   # the flush: one reducing empty backward
-                self.stage.begin_backward(True)
-                self.stage.buckets.begin(True)
-                self.stage.finish_backward()
-                self._local_backwards = 0
+            if local and self._local_backwards:   # the flush
+                self._reduce_local_gradients()
 
 
 def _unpatchable_wrapper(optimizer: Any) -> Optional[str]:

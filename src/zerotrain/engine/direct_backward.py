@@ -84,8 +84,8 @@ class DirectBackward:
         if self._refusal is not None:
             raise StateError(self._refusal)
         if not self._running:
+            self._factor = self._prologue()   # may raise (ranks disagree): nothing started
             self._running = True
-            self._factor = self._prologue()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         return grad * self._factor
 

@@ -13,7 +13,9 @@ Note: micro-steps and boundaries
     unchanged) before ``NonFiniteGradientError`` propagates, so a loop that catches it and
     goes on starts a fresh window of ``gradient_accumulation_steps`` micro-steps.
 
-When a backward keeps its gradients on this rank: Note "no_sync" in ``accumulation.py``.
+When a backward keeps its gradients on this rank: Note "no_sync" in ``accumulation.py``;
+when the caller's ``step()`` ends every window instead (``managed_gradient_accumulation:
+false``): Note "unmanaged accumulation" there.
 
 One open engine per model: Note in ``ownership.py``.
 """
@@ -162,6 +164,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         moved_states.refuse_while_away(self._moved, "backward()")
         if self._drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
             self.zero_grad()
+        if self.stage.reduces_every_micro_step:
+            self._agree_on_window("backward")   # unmanaged mode (Note in accumulation.py)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
                                   local=self.inside_no_sync_ctxt)
         return 1.0 / self.gradient_accumulation_steps()
@@ -182,6 +186,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         """After every gradient of the backward has arrived."""
         self.stage.finish_backward()
         self._backward_in_window = True
+        self._window_backwards += 1
         self._updated_by = None
         local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
         if local or boundary:   # a boundary backward outside no_sync reduces them all
@@ -202,12 +207,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                              "of engine.step() and optimizer.step() per window, not both")
         with self._timers.time("step"):
             try:
-                if self.is_gradient_accumulation_boundary():
-                    self._take_model_step(lr_kwargs or {})
+                with self._step_owns_boundary():   # Note "unmanaged accumulation"
+                    boundary = self.is_gradient_accumulation_boundary()
+                    if boundary:
+                        self._take_model_step(lr_kwargs or {})
             except (NonFiniteGradientError, UnusedParameterError):   # the window is over
-                self._end_micro_step()
+                self._end_micro_step(True)
                 raise
-            self._end_micro_step()
+            self._end_micro_step(boundary)
 
     @property
     def inference_only(self) -> bool:
@@ -227,14 +234,15 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                              "(no 'optimizer' section in the config and no "
                              "initialize(optimizer=...)), so it runs forward only")
 
-    def _end_micro_step(self) -> None:
+    def _end_micro_step(self, boundary: bool) -> None:
         if not self.tput_timer.started:   # the module was called without engine.forward
             self.tput_timer.start()
-        self.tput_timer.stop(global_step=self.is_gradient_accumulation_boundary())
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
+        samples = self._samples_in_window()
         outcome = self._update("engine.step()")
         if outcome.applied:
             if self.lr_scheduler is not None:
@@ -244,7 +252,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                     self._lr_watch.step(self.lr_scheduler, **lr_kwargs)
         error = None if outcome.applied else self._skip(outcome)
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self.global_samples += samples
         if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
             self._log_progress()
         if error is not None:
@@ -255,6 +263,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         it: reduce what is left, unscale and clip, check overflow, update, clear the
         gradients, adjust the fp16 loss scale. ``engine.step()`` at a boundary and a
         direct ``optimizer.step()`` (engine/optimizer_views.py) both run it."""
+        self._agree_on_window("update")   # unmanaged, before what one rank alone may refuse
         if not self._backward_in_window:
             taken = (f"; {self._updated_by} already took this window's update: call one of "
                      "engine.step() and optimizer.step() per window, not both"
@@ -262,6 +271,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             raise StateError(f"{call} reached an accumulation boundary without any "
                              "engine.backward(loss) or loss.backward() since the last "
                              f"update{taken}")
+        if not (self.managed_gradient_accumulation() or self.inside_no_sync_ctxt):
+            self._reduce_window()   # the caller's step ends the window (Note in accumulation.py)
         if self.inside_no_sync_ctxt or self._local_backwards:
             where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
                      f"after {self._local_backwards} backward(s) inside engine.no_sync() "
@@ -278,12 +289,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             except UnusedParameterError:
                 self.stage.zero_grad()
                 self._backward_in_window = False
+                self._window_backwards = 0
                 raise
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
         self._last_outcome = outcome
         self._step_applied = outcome.applied
         self._backward_in_window = False
+        self._window_backwards = 0
         self._updated_by = call
         self.loss_scaler.update(overflow=not outcome.applied)
         return outcome
@@ -366,6 +379,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._local_backwards = 0
         self._last_outcome = None
         self._step_applied = False
+        self._window_backwards = 0
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
@@ -373,6 +387,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
+        if not self.managed_gradient_accumulation():   # the caller's step() is the boundary
+            return self._in_step
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -383,6 +399,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         if not isinstance(is_boundary, bool):
             raise TypeError(f"set_gradient_accumulation_boundary() takes a bool, got "
                             f"{type(is_boundary).__name__}")
+        self._refuse_unmanaged("set_gradient_accumulation_boundary()")
         self._boundary_override = is_boundary   # the next backward() tells the stage
 
     @property

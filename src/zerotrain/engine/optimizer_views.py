@@ -24,7 +24,9 @@ Note: optimizer.step() without engine.step()
     the stage reduces only at the accumulation boundary (stages 0-1) and the last backward
     was not one, in the middle of a window ``engine.step()`` has been counting (the window
     would end early), inside ``no_sync``, and a second update in one window
-    (``engine.step()`` after ``optimizer.step()``, or the reverse).
+    (``engine.step()`` after ``optimizer.step()``, or the reverse). With
+    ``managed_gradient_accumulation: false`` it ends the caller's window wherever it comes,
+    as ``engine.step()`` does there (Note "unmanaged accumulation" in accumulation.py).
 
     ``optimizer.zero_grad()`` is DeepSpeed's: the next backward starts the gradients afresh
     (the ones accumulated so far are dropped when it begins, ``engine.zero_grad()``),
@@ -128,7 +130,7 @@ class OptimizerViews:
         engine = self.engine()
         steps = engine.gradient_accumulation_steps()
         if (engine._boundary_override is None and engine.micro_steps % steps
-                and engine._backward_in_window):
+                and engine._backward_in_window and engine.managed_gradient_accumulation()):
             raise StateError(
                 f"optimizer.zero_grad() at micro step {engine.micro_steps % steps + 1} of "
                 f"{steps} of an accumulation window would drop the gradients of its first "
@@ -150,14 +152,16 @@ class OptimizerViews:
         steps = engine.gradient_accumulation_steps()
         if not engine._backward_in_window:   # nothing to step: _update names it
             engine._update(call)
-        if engine._boundary_override is None and engine.micro_steps % steps:
+        # unmanaged accumulation: the call ends the caller's window, _update reduces it
+        managed = engine.managed_gradient_accumulation()
+        if managed and engine._boundary_override is None and engine.micro_steps % steps:
             raise StateError(
                 f"{call} in the middle of an accumulation window that engine.step() is "
                 f"counting (micro step {engine.micro_steps % steps + 1} of {steps}): the "
                 "window would end early; finish it with engine.step(), or use "
                 "optimizer.step() without engine.step()")
-        if not (engine.stage.reduces_every_micro_step
-                or engine.is_gradient_accumulation_boundary()):
+        if managed and not (engine.stage.reduces_every_micro_step
+                            or engine.is_gradient_accumulation_boundary()):
             raise StateError(
                 f"{call} after a backward that does not end the accumulation window "
                 f"(gradient_accumulation_steps {steps}): at ZeRO stage "

@@ -37,6 +37,7 @@ class EnginePersistence:
     loss_scaler: Any
     training_dataloader: Any
     micro_steps: int
+    _backward_in_window: bool
     last_checkpoint_report: Any
     _moved: Any
     _checkpoint_writer: Optional[checkpoint.BackgroundWriter]
@@ -69,7 +70,8 @@ class EnginePersistence:
         ``exclude_frozen_parameters``: leave out the parameters that need no gradient;
         loading keeps them as the model holds them (docs/checkpoints.md).
         """
-        if self.micro_steps % self.gradient_accumulation_steps() != 0:
+        if (self.micro_steps % self.gradient_accumulation_steps() != 0
+                if self.managed_gradient_accumulation() else self._backward_in_window):
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
         self.settle()

@@ -87,13 +87,13 @@ def _watch_releases(engine) -> list:
             arrived[index] = 0
             done.add(index)
 
-    def on_backward(index):
+    def on_backward(index, *module):
         for i in sorted(done - {index}):
             unit = scheduler.units[i]
             if unit.full.untyped_storage().nbytes() and not unit.spec.deps:
                 late.append(unit.spec.name or "<root>")
         done.clear()
-        before_backward(index)
+        before_backward(index, *module)
 
     def on_end(end_backward=scheduler.end_backward):
         done.clear()

@@ -139,6 +139,9 @@ def _start_backward_on_grad(scheduler: UnitScheduler, index: int, module: nn.Mod
 
 def returned_params(output: Any) -> list[nn.Parameter]:
     """The stage-3 parameters (or views of them) in ``output``, each once."""
+    if type(output) is torch.Tensor and (output._base is None
+                                         or not hasattr(output._base, "ds_unit")):
+        return []   # the common case, an activation: answered without a walk
     found: list[nn.Parameter] = []
     tensors = list(_tensors(output))
     if not tensors and hasattr(output, "__dict__") and not isinstance(output, nn.Module):

@@ -66,7 +66,8 @@ Note: returned parameters
     and pins their unit (``pin``): it stays gathered until the micro-step's backward ends
     (or, for a forward without grad, until the next pass starts), whatever the caller does
     with it, an activation checkpoint's recomputation included. DeepSpeed likewise keeps
-    such a parameter gathered and registers it in the caller's ``_external_params``.
+    such a parameter gathered; both register it in the caller's ``_external_params``
+    (``usage.py``, Note: usage records), which records where it went and gathers nothing.
     A caller inside the unit's own forward (a block whose linear returns its bias for the
     block to add, Megatron's ``skip_bias_add``) pins nothing: a module of the unit is still
     in its forward (its depth, Note: entry points), or the unit is held for its backward

@@ -87,13 +87,13 @@ def _watch_releases(engine) -> list:
             arrived[index] = 0
             done.add(index)
 
-    def on_backward(index):
+    def on_backward(index, *module):
         for i in sorted(done - {index}):
             unit = scheduler.units[i]
             if unit.full.untyped_storage().nbytes() and not unit.spec.deps:
                 late.append(unit.spec.name or "<root>")
         done.clear()
-        before_backward(index)
+        before_backward(index, *module)
 
     def on_end(end_backward=scheduler.end_backward):
         done.clear()
@@ -104,23 +104,54 @@ def _watch_releases(engine) -> list:
     return late
 
 
+def _watch_usage(model) -> dict:
+    """DeepSpeed's usage records as the blocks see them (stage 3, Note "usage records" in
+    zero3/usage.py): each linear in its own forward and each weight's gradient find a module
+    of theirs using their unit; a recomputation's kept parameters are the block's."""
+    seen = {"forward": [], "backward": [], "recompute": [], "after": []}
+    for block in model.blocks:
+        ids = {m.ds_id for m in block.modules()}
+        for linear in (block.a, block.b):
+            linear.register_forward_pre_hook(
+                lambda m, a: seen["forward"].append(m.ds_id in m.weight.ds_active_sub_modules))
+            linear.weight.register_hook(lambda g, w=linear.weight, ids=ids: seen[
+                "backward"].append(bool(w.ds_active_sub_modules) and w.ds_active_sub_modules <= ids))
+
+        def recomputed(m, args, out):
+            if torch._C._current_graph_task_id() != -1:
+                kept = {p.ds_id for sub in m.modules() for p in sub.ds_recompute_parameters}
+                seen["recompute"].append(sorted(kept) if kept <= {
+                    p.ds_id for p in m.parameters()} else "not the block's")
+        block.register_forward_hook(recomputed)
+    return seen
+
+
+def _usage_clean(model) -> bool:
+    return (not any(p.ds_active_sub_modules for p in model.parameters())
+            and not any(m.ds_recompute_parameters for m in model.modules()))
+
+
 def _train(rank, mode, config):
     import zerotrain
     torch.manual_seed(0)
     model = Net(mode)
     engine, *_ = zerotrain.initialize(model=model, config=config)
-    late = _watch_releases(engine) if config["zero_optimization"]["stage"] == 3 else []
+    stage3 = config["zero_optimization"]["stage"] == 3
+    late = _watch_releases(engine) if stage3 else []
+    usage = _watch_usage(model) if stage3 else None
     losses = []
     for step in range(STEPS):
         for micro in range(config.get("gradient_accumulation_steps", 1)):
             torch.manual_seed(1000 * step + 10 * rank + micro)  # dropout masks per rank/step
             loss = engine(*R.micro_batch(step, rank, micro))
             engine.backward(loss)
+            if usage is not None:
+                usage["after"].append(_usage_clean(model))
             engine.step()
             losses.append(loss.item())
     with zerotrain.zero.GatheredParameters(list(model.parameters())):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "late": late}
+    return {"losses": losses, "params": params, "late": late, "usage": usage}
 
 
 def _grid(rank, world, cases):
@@ -134,7 +165,8 @@ def _grid(rank, world, cases):
         out.append({"case": name, "diff": R.max_diff(plain["params"], checkpointed["params"]),
                     "same_losses": plain["losses"] == checkpointed["losses"],
                     "late": checkpointed["late"], "plain_late": plain["late"],
-                    "settings": settings})
+                    "settings": settings, "usage": checkpointed["usage"],
+                    "reuse": config["zero_optimization"].get("stage3_max_reuse_distance")})
     return out
 
 
@@ -186,6 +218,17 @@ def test_checkpointed_blocks_train_like_plain_blocks(worlds, world):
                 assert res["settings"]["cpu_checkpointing"], (where, res["settings"])
             else:
                 assert not res["settings"]["cpu_checkpointing"], (where, res["settings"])
+            usage = res["usage"]
+            if usage is None:
+                continue
+            for phase in ("forward", "backward", "after"):
+                assert usage[phase] and all(usage[phase]), (where, phase, usage[phase])
+            # a recomputation keeps its unit for the backward right after it only when
+            # units may be kept (stage3_max_reuse_distance, DeepSpeed's default when None):
+            # then the block's parameters
+            kept = [k for k in usage["recompute"] if k]
+            assert "not the block's" not in kept, (where, usage["recompute"])
+            assert bool(kept) == (res["reuse"] != 0), (where, res["reuse"], usage["recompute"])
 
 
 class CalledTwice(nn.Module):
@@ -321,7 +364,14 @@ def _returned_bias(rank, world):
                     engine(*R.micro_batch(0, rank, 0))
             with zerotrain.zero.GatheredParameters(list(model.parameters())):
                 params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[(stage, mode)] = {"losses": losses, "params": params, "held": held}
+            # DeepSpeed's registry: each returned parameter with the caller that used it
+            names = {id(p): n for n, p in model.named_parameters()}
+            external = {n or "<root>": sorted(names[k] for k in getattr(m, "_external_params", {}))
+                        for n, m in model.named_modules() if getattr(m, "_external_params", None)}
+            flagged = sorted(n for n, p in model.named_parameters()
+                             if getattr(p, "is_external_param", False))
+        out[(stage, mode)] = {"losses": losses, "params": params, "held": held,
+                              "external": external, "flagged": flagged}
     return out
 
 
@@ -336,3 +386,9 @@ def test_a_parameter_a_module_returns_trains_like_stage_0(worlds):
             # released when backward ends; a forward without grad keeps them to the next pass
             pinned = [("frozen", 1), ("trained", 1)]
             assert res["held"] == ([] if case[0] == 0 else [[], pinned, pinned]), (rank, case)
+            if case[0] == 3:
+                assert res["external"] == {
+                    "<root>": ["frozen.bias", "trained.bias"],
+                    "blocks.0": ["blocks.0.scale.bias"]}, (rank, case, res["external"])
+                assert res["flagged"] == ["blocks.0.scale.bias", "frozen.bias",
+                                          "trained.bias"], (rank, case)

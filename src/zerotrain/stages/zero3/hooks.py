@@ -1,7 +1,9 @@
 """The module hooks that drive the :class:`~zerotrain.stages.zero3.scheduler.UnitScheduler`:
-a pre- and post-forward hook on every module that roots or uses a unit (Note "entry points"
-in ``scheduler.py``), the gradient hooks that start a unit's backward, and setting them
-aside around a compiled unit (Note "compiled units" in ``stage.py``)."""
+a pre- and post-forward hook on every module, which gather and release the units the
+module roots or uses (Note "entry points" in ``scheduler.py``) and keep the forward stack
+of DeepSpeed's usage records (``usage.py``), the gradient hooks that start a unit's
+backward, and setting them aside around a compiled unit (Note "compiled units" in
+``stage.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,22 +16,25 @@ from torch.utils import _pytree as pytree
 
 from .scheduler import UnitScheduler
 from .unit import Unit
+from .usage import UsageRecords
 
 
 def install_module_hooks(root: nn.Module, units: list[Unit],
-                         scheduler: UnitScheduler) -> list[Any]:
-    """Forward hooks on every module that roots or uses a unit (Note: entry points); the
-    root's pre-hook also starts a pass."""
+                         scheduler: UnitScheduler, usage: UsageRecords) -> list[Any]:
+    """Forward hooks on every module: those that root or use a unit gather it (Note: entry
+    points), all keep the forward stack of ``usage``; the root's first pre-hook starts a
+    pass."""
     handles = [root.register_forward_pre_hook(lambda m, a: scheduler.begin_pass())]
-    for module, indices in unit_users(root, units).items():
-        for index in indices:
-            handles.append(module.register_forward_pre_hook(
-                functools.partial(_before_forward, scheduler, index), with_kwargs=True))
-            # always_call: a forward that raises still lets go of its unit (torch's
-            # checkpoint ends a recomputation by raising inside the last operation that
-            # saves a tensor)
-            handles.append(module.register_forward_hook(
-                functools.partial(_after_forward, scheduler, index), always_call=True))
+    users = unit_users(root, units)
+    for module in root.modules():
+        indices = tuple(users.get(module, ()))
+        handles.append(module.register_forward_pre_hook(
+            functools.partial(_before_forward, scheduler, usage, indices), with_kwargs=True))
+        # always_call: a forward that raises still lets go of its unit (torch's
+        # checkpoint ends a recomputation by raising inside the last operation that
+        # saves a tensor)
+        handles.append(module.register_forward_hook(
+            functools.partial(_after_forward, scheduler, usage, indices), always_call=True))
     return handles
 
 
@@ -73,31 +78,51 @@ def hooks_set_aside(handles: list[Any]) -> Iterator[None]:
             hooks.update(items)
 
 
-def _before_forward(scheduler: UnitScheduler, index: int, module: nn.Module,
-                    args: tuple, kwargs: dict) -> None:
-    if not scheduler.enter(index) or not torch.is_grad_enabled():
-        return
-    inputs = [v for v in pytree.tree_leaves((args, kwargs))
-              if isinstance(v, torch.Tensor) and v.requires_grad]
-    if inputs:   # Note: end of a unit's backward (a hook, not a wrapper: inputs stay as
-        # they are, so a forward may still modify them in place)
-        scheduler.expect_inputs_backward(index)
-        torch.autograd.graph.register_multi_grad_hook(
-            inputs, lambda grads: scheduler.inputs_backward_done(index), mode="all")
+def _before_forward(scheduler: UnitScheduler, usage: UsageRecords, indices: tuple[int, ...],
+                    module: nn.Module, args: tuple, kwargs: dict) -> None:
+    usage.push(module)
+    inputs = None
+    for index in indices:
+        if not scheduler.enter(index, module) or not torch.is_grad_enabled():
+            continue
+        if inputs is None:
+            inputs = [v for v in pytree.tree_leaves((args, kwargs))
+                      if isinstance(v, torch.Tensor) and v.requires_grad]
+        if inputs:   # Note: end of a unit's backward (a hook, not a wrapper: inputs stay
+            # as they are, so a forward may still modify them in place)
+            scheduler.expect_inputs_backward(index)
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, functools.partial(_inputs_done, scheduler, index), mode="all")
 
 
-def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args: Any,
-                   output: Any) -> None:
-    for returned in returned_units(output):   # Note: returned parameters (scheduler.py)
-        scheduler.pin(returned, index)
-    if not scheduler.leave(index) or not torch.is_grad_enabled():
+def _inputs_done(scheduler: UnitScheduler, index: int, grads: Any) -> None:
+    scheduler.inputs_backward_done(index)
+
+
+def _after_forward(scheduler: UnitScheduler, usage: UsageRecords, indices: tuple[int, ...],
+                   module: nn.Module, args: Any, output: Any) -> None:
+    usage.pop(module)
+    params = returned_params(output)
+    if not params and not indices:
         return
+    usage.returned(module, params)
+    returned = {p.ds_unit.spec.index for p in params if not p.ds_unit.spec.persistent}
+    for index in indices:
+        for unit in sorted(returned):   # Note: returned parameters (scheduler.py)
+            scheduler.pin(unit, index)
+        if scheduler.leave(index, module) and torch.is_grad_enabled():
+            _start_backward_on_grad(scheduler, index, module, output)
+
+
+def _start_backward_on_grad(scheduler: UnitScheduler, index: int, module: nn.Module,
+                            output: Any) -> None:
+    """The first gradient of ``module``'s output starts the unit's backward."""
     fired = []
 
     def on_grad(grad):
         if not fired:
             fired.append(True)
-            scheduler.before_backward(index)
+            scheduler.before_backward(index, module)
         return grad
 
     for tensor in _tensors(output):
@@ -112,18 +137,20 @@ def _after_forward(scheduler: UnitScheduler, index: int, module: nn.Module, args
             tensor.register_hook(on_grad)
 
 
-def returned_units(output: Any) -> set[int]:
-    """The non-persistent units whose parameters (or views of them) are in ``output``."""
-    found: set[int] = set()
+def returned_params(output: Any) -> list[nn.Parameter]:
+    """The stage-3 parameters (or views of them) in ``output``, each once."""
+    if type(output) is torch.Tensor and (output._base is None
+                                         or not hasattr(output._base, "ds_unit")):
+        return []   # the common case, an activation: answered without a walk
+    found: list[nn.Parameter] = []
     tensors = list(_tensors(output))
     if not tensors and hasattr(output, "__dict__") and not isinstance(output, nn.Module):
         # a plain object holding the outputs, as DeepSpeed also looks into
         tensors = [v for v in vars(output).values() if isinstance(v, torch.Tensor)]
     for tensor in tensors:
         param = tensor if isinstance(tensor, nn.Parameter) else tensor._base
-        unit = getattr(param, "ds_unit", None)
-        if unit is not None and not unit.spec.persistent:
-            found.add(unit.spec.index)
+        if getattr(param, "ds_unit", None) is not None and not any(p is param for p in found):
+            found.append(param)
     return found
 
 

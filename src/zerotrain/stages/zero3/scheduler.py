@@ -66,7 +66,8 @@ Note: returned parameters
     and pins their unit (``pin``): it stays gathered until the micro-step's backward ends
     (or, for a forward without grad, until the next pass starts), whatever the caller does
     with it, an activation checkpoint's recomputation included. DeepSpeed likewise keeps
-    such a parameter gathered and registers it in the caller's ``_external_params``.
+    such a parameter gathered; both register it in the caller's ``_external_params``
+    (``usage.py``, Note: usage records), which records where it went and gathers nothing.
     A caller inside the unit's own forward (a block whose linear returns its bias for the
     block to add, Megatron's ``skip_bias_add``) pins nothing: a module of the unit is still
     in its forward (its depth, Note: entry points), or the unit is held for its backward
@@ -79,8 +80,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+from torch import nn
 
 from .unit import Unit, UnitState
+from .usage import UsageRecords, in_backward
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +105,12 @@ class UnitScheduler:
     high-water marks of gathered elements that ``memory_breakdown`` reports.
     """
 
-    def __init__(self, units: list[Unit], policy: GatherPolicy,
+    def __init__(self, units: list[Unit], policy: GatherPolicy, *, usage: UsageRecords,
                  on_pass: Optional[Callable[[], None]] = None,
                  on_use: Optional[Callable[[int, bool], None]] = None) -> None:
         self.units = units
         self.policy = policy
+        self.usage = usage   # DeepSpeed's usage records (usage.py), told of every move
         self._on_pass = on_pass   # told when a pass starts (the gather check counts them)
         # told of every use (unit, in backward): the step fingerprint covers the trace
         self._on_use = on_use
@@ -135,10 +139,14 @@ class UnitScheduler:
     # ------------------------------------------------------------------ passes
     def begin_pass(self) -> None:
         """A forward of the whole model starts: adopt the last pass's order as the trace, and
-        let go of units kept for a backward that never came (a forward without backward)."""
+        let go of units kept for a backward that never came (a forward without backward),
+        and of everything a backward that raised left gathered."""
         if self._on_pass is not None:
             self._on_pass()
+        if self._in_backward and not in_backward():   # not a recomputation: it never ended
+            self.end_backward()
         for index in sorted(self._kept):
+            self.usage.unkept(index)
             self._let_go(index)
         self._kept.clear()
         for index, with_grad in sorted(self._pinned.items()):
@@ -166,36 +174,42 @@ class UnitScheduler:
         self._expects_inputs.clear()
         self._inputs_done.clear()
         self._in_backward = False
+        self.usage.reset()
 
     # ------------------------------------------------------------------ forward
-    def enter(self, index: int) -> bool:
-        """A module of the unit starts its forward; the outermost (Note: entry points)
+    def enter(self, index: int, module: nn.Module) -> bool:
+        """``module`` of the unit starts its forward; the outermost (Note: entry points)
         gathers the unit and returns True."""
+        self.usage.entered(index, module)
         if self._depth[index] == 0:
             self.before_forward(index)
         self._depth[index] += 1
         return self._depth[index] == 1
 
-    def leave(self, index: int) -> bool:
-        """A module of the unit ends its forward; the outermost lets go of the unit and
+    def leave(self, index: int, module: nn.Module) -> bool:
+        """``module`` of the unit ends its forward; the outermost lets go of the unit and
         returns True."""
+        self.usage.left(index, module)
         self._depth[index] = max(0, self._depth[index] - 1)
         if self._depth[index]:
             return False
-        self.after_forward(index)
+        self.after_forward(index, module)
         return True
 
     def before_forward(self, index: int) -> None:
         self._record(index)
         if index in self._kept:
             self._kept.discard(index)  # the last forward's hold becomes this forward's
+            self.usage.unkept(index)
             self._prefetch()
         else:
             self._acquire(index)
 
-    def after_forward(self, index: int) -> None:
+    def after_forward(self, index: int, module: nn.Module) -> None:
         if torch.is_grad_enabled() and self._reused_soon(index):
             self._kept.add(index)
+            if self._in_backward:   # a recomputation keeps it for the backward to come
+                self.usage.kept_in_recompute(index, module)
         else:
             self._let_go(index)
 
@@ -217,7 +231,10 @@ class UnitScheduler:
         self._expects_inputs.add(index)
 
     # ------------------------------------------------------------------ backward
-    def before_backward(self, index: int) -> None:
+    def before_backward(self, index: int, module: nn.Module) -> None:
+        """The gradient of ``module``'s output (a module of the unit) arrived: the unit's
+        backward starts."""
+        self.usage.backward_began(index, module)
         if not self._in_backward:   # forward is over: what is gathered now stays till backward
             self._in_backward = True
             if self._recording_forward is None:
@@ -232,6 +249,7 @@ class UnitScheduler:
         self._inputs_done.discard(index)
         if index in self._kept:
             self._kept.discard(index)  # the forward's hold becomes the backward's
+            self.usage.unkept(index)
             self._prefetch()
         else:
             self._acquire(index)
@@ -253,6 +271,7 @@ class UnitScheduler:
                 and self._arrived.get(index, 0) >= self._needed[index]
                 and (index not in self._expects_inputs or index in self._inputs_done)):
             self._backward_held.discard(index)
+            self.usage.backward_done(index)
             self._let_go(index)
 
     # ------------------------------------------------------------------ machinery

@@ -46,6 +46,7 @@ from .plan import use_launch_plans
 from .leaf import apply_leaf_module_config
 from .unit import GroupSlice, Unit, UnitState
 from .unit_specs import build_units
+from .usage import UsageRecords
 
 
 logger = logging.getLogger(__name__)
@@ -120,15 +121,16 @@ class PartitionedDataParallel(BucketedStage):
             device=device, overlap=bool(zero_config.overlap_comm),
             comm_dtype=policy.reduce_dtype, reduce_scatter=reduce_scatter,
             on_reduced=self.record_reduced)
+        usage = UsageRecords(module, self.units)   # DeepSpeed's records (Note: usage records)
         self.scheduler = UnitScheduler(self.units, GatherPolicy(
             prefetch_numel=int(zero_config.stage3_prefetch_bucket_size),
             max_live_numel=int(zero_config.stage3_max_live_parameters),
             max_reuse_distance=int(zero_config.stage3_max_reuse_distance)),
-            on_pass=self.wire.check.begin_pass, on_use=self._note_use)
+            usage=usage, on_pass=self.wire.check.begin_pass, on_use=self._note_use)
         self.wire.check.describe_units_with(self._describe_unit)
         self._uses = [(f"{self._describe_unit(i)} in forward",
                        f"{self._describe_unit(i)} in backward") for i in range(len(self.units))]
-        self._handles = install_module_hooks(module, self.units, self.scheduler)
+        self._handles = install_module_hooks(module, self.units, self.scheduler, usage)
         use_launch_plans(self, reduce_scatter)   # Note "launch plans" in plan.py
         mark_lockstep(module, True)
         self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))

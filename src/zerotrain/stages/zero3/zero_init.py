@@ -369,13 +369,33 @@ def release(params: Iterable[nn.Parameter]) -> None:
 
 def attach_param_methods(p: nn.Parameter) -> None:
     """Give a partitioned parameter DeepSpeed's per-parameter methods: ``all_gather()``,
-    ``all_gather_coalesced(params)`` and ``partition(param_list=None)``. They hold the
+    ``all_gather_coalesced(params)``, ``partition(param_list=None)`` and ``ds_summary()``,
+    and its usage records as they stand before a stage uses it (no module is using it, it
+    is no external parameter: Note "usage records" in ``usage.py``). The methods hold the
     parameter weakly: a parameter keeping itself alive through its own attributes would
     wait for the cycle collector to free its memory."""
     ref = weakref.ref(p)
     p.all_gather = functools.partial(_gather_one, ref)
     p.all_gather_coalesced = all_gather_coalesced
     p.partition = functools.partial(_release_one, ref)
+    p.ds_summary = functools.partial(_summary, ref)
+    if not hasattr(p, "ds_active_sub_modules"):
+        p.ds_active_sub_modules = set()
+    if not hasattr(p, "is_external_param"):
+        p.is_external_param = False
+
+
+def _summary(ref: "weakref.ref[nn.Parameter]", use_debug_name: bool = False) -> dict:
+    """DeepSpeed's ``param.ds_summary()``: what error messages print about a parameter."""
+    p = ref()
+    ds_tensor = getattr(p, "ds_tensor", None)
+    return {"id": p.ds_id, "status": p.ds_status.name, "numel": p.numel(),
+            "ds_numel": p.ds_numel, "shape": tuple(p.shape), "ds_shape": tuple(p.ds_shape),
+            "requires_grad": p.requires_grad,
+            "grad_shape": tuple(p.grad.shape) if p.grad is not None else None,
+            "persist": bool(getattr(p, "ds_persist", False)),
+            "active_sub_modules": p.ds_active_sub_modules,
+            "ds_tensor.shape": ds_tensor.shape if ds_tensor is not None else None}
 
 
 def _gather_one(ref: "weakref.ref[nn.Parameter]",
@@ -449,8 +469,13 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     """Declare that ``module``'s forward uses ``parameter`` owned by another module.
 
     Must be called before ``initialize``; tied parameters (the same Parameter registered on
-    two modules) are found without it.
+    two modules) are found without it. It also shows in DeepSpeed's registry,
+    ``module._external_params`` (Note "usage records" in ``usage.py``).
     """
+    registry = getattr(module, "_external_params", None)
+    if not isinstance(registry, dict):
+        registry = module._external_params = {}
+    registry[id(parameter)] = parameter
     external = getattr(module, "_zerotrain_external_params", None)
     if external is None:
         external = []

@@ -98,8 +98,9 @@ class ZeROOrderedDict(TrackedParameters):
 
     def __getitem__(self, key: str):
         param = _getitem(self, key)
-        if (getattr(param, "ds_status", None) in _NOT_GATHERED and self._in_forward
-                and not torch.compiler.is_compiling()):
+        if torch.compiler.is_compiling():   # a traced read: no guard on the unit's status
+            return param
+        if getattr(param, "ds_status", None) in _NOT_GATHERED and self._in_forward:
             watch = self._watch
             if watch is not None and watch.gather_external is not None:
                 watch.gather_external(param)

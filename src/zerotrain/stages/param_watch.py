@@ -35,6 +35,12 @@ Note: external parameters at stage 3
     (Note "gather check" in ``zero3/gather_check.py``). Reads outside the model's forward
     (``GatheredParameters``, ``param.ds_tensor``) gather nothing. The cost is a Python call
     per parameter read at stage 3 (docs/from-deepspeed.md gives the measured step time).
+    Once the engine compiles the model (``engine.compile``, ``compile.enabled``) the
+    containers read as OrderedDict's again (``ParameterWatch.plain_reads``): dynamo would
+    otherwise specialise each block's graph on its container (one graph per block instead
+    of one for all, ``tests/dist/test_compile.py``), and a traced read gathers nothing
+    anyway. A compiled model's external reads need ``register_external_parameter``, as
+    before; parameters added after initialize are still named.
 """
 from __future__ import annotations
 
@@ -170,6 +176,15 @@ class ParameterWatch:
             if isinstance(params, TrackedParameters) and params._watch is self:
                 params._watch = None
         self.in_forward = False
+
+    def plain_reads(self) -> None:
+        """The model is compiled: reads go back to OrderedDict's (Note: external
+        parameters at stage 3); the containers still note parameters."""
+        self._cls = TrackedParameters
+        for module in self.root.modules():
+            params = module.__dict__.get("_parameters")
+            if type(params) is ZeROOrderedDict and params._watch is self:
+                params.__class__ = TrackedParameters
 
     def note(self, param: nn.Parameter) -> None:
         if id(param) not in self._warned:

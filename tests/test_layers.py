@@ -78,7 +78,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
              ("communicator",),
              ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
-               ("zero12", "zero3"), ("factory",), ("__init__",)),
+               ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),

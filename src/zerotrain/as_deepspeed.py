@@ -131,6 +131,8 @@ ALIASES.update({
     "deepspeed.runtime.zero.tiling": "zerotrain.zero.tiling",
     "deepspeed.runtime.zero.offload_states": "zerotrain.utils",   # get_state_devices
     "deepspeed.runtime.zero.linear": "zerotrain.zero.linear",
+    # ZeROOrderedDict, ensure_zero_ordered_dict (Note "parameters the engine does not hold")
+    "deepspeed.runtime.zero.parameter_offload": "zerotrain.stages.param_watch",
 })
 _FORWARDED_DUNDERS = frozenset({"__all__", "__compatible_ops__"})  # others: the alias's
 _GUIDE = "see docs/from-deepspeed.md, 'The API, name by name', for what zerotrain provides"

@@ -98,6 +98,65 @@ def test_stage3_runs_real_model_code_like_stage0(worlds):
         assert res["param_diff"] <= 1e-6, res
 
 
+def _unregistered_external_and_late_module(rank, world):
+    """``mix.weight`` read by the parent without ``register_external_parameter``, then a
+    module attached after initialize (Notes in ``stages/param_watch.py``)."""
+    import logging
+
+    import zerotrain
+    from zerotrain.stages.param_watch import TrackedParameters, ZeROOrderedDict
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("zerotrain.stages.param_watch")
+    log.addHandler(handler)
+    out = {}
+    params = {}
+    try:
+        for stage in (0, 3):
+            torch.manual_seed(0)
+            model = NanoStyle()
+            engine, *_ = zerotrain.initialize(model=model, config=_config(stage))
+            out[f"container{stage}"] = type(model.mix._parameters).__name__
+            for step in range(2):
+                loss = engine(*_tokens(step, rank))
+                engine.backward(loss)
+                engine.step()
+            out[f"warned_before{stage}"] = list(seen)
+            model.late = nn.Linear(24, 24)             # not used by forward: still named
+            model.mix.extra = nn.Parameter(torch.zeros(3))
+            engine(*_tokens(3, rank))
+            engine(*_tokens(4, rank))                  # once per parameter
+            out[f"warned{stage}"], seen[:] = list(seen), []
+            del model.late, model.mix.extra
+            with zerotrain.zero.GatheredParameters(list(model.parameters())):
+                params[stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            engine.destroy()
+            out[f"bound_after_close{stage}"] = model.mix._parameters._watch is not None
+            out[f"is_tracked{stage}"] = isinstance(model.mix._parameters, TrackedParameters)
+        out["zero3_dict"] = isinstance(model.mix._parameters, ZeROOrderedDict)
+    finally:
+        log.removeHandler(handler)
+    out["param_diff"] = R.max_diff(params[0], params[3])
+    return out
+
+
+def test_unregistered_external_parameter_and_late_module(worlds):
+    """Stage 3 gathers a parameter the parent reads directly (it failed with a size
+    mismatch), trains it as stage 0 does; a module or parameter added after initialize is
+    named once, at every stage, and nothing is named before."""
+    for rank, res in enumerate(worlds.run(2, _unregistered_external_and_late_module)):
+        assert res["param_diff"] <= 1e-6, res
+        assert res["container0"] == "TrackedParameters", res
+        assert res["container3"] == "ZeROOrderedDict" and res["zero3_dict"], res
+        for stage in (0, 3):
+            assert res[f"warned_before{stage}"] == [], res
+            assert len(res[f"warned{stage}"]) == 1, res
+            assert "mix.extra (3,), late.weight (24, 24), late.bias (24,)" in res[
+                f"warned{stage}"][0], res
+            assert not res[f"bound_after_close{stage}"] and res[f"is_tracked{stage}"], res
+
+
 def _modifier(rank, world):
     import zerotrain
     model = R.make_model()

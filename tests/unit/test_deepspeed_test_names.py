@@ -246,3 +246,31 @@ def test_elastic_checkpoint_at_stage_3_warns_on_the_root_logger(caplog):
         DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
     assert [r.name for r in caplog.records] == ["zerotrain"]
     assert "elastic checkpointing is deprecated" in caplog.records[0].getMessage().lower()
+
+
+def test_zero_ordered_dict_through_the_switch(deepspeed):
+    """DeepSpeed's ``_parameters`` container and its helper: a plain dict is converted
+    once (the first original kept), and a copy of a bound container leaves the engine's
+    watch behind."""
+    import copy
+
+    from deepspeed.runtime.zero.parameter_offload import (ZeROOrderedDict,
+                                                          ensure_zero_ordered_dict)
+    from zerotrain.stages.param_watch import ParameterWatch
+    m = torch.nn.Linear(4, 4)
+    plain = m._parameters = dict(m._parameters)   # torch's default container
+    ensure_zero_ordered_dict(m)
+    converted = m._parameters
+    assert isinstance(converted, ZeROOrderedDict) and list(converted) == ["weight", "bias"]
+    assert m._original_parameters is plain and m.weight is converted["weight"]
+    ensure_zero_ordered_dict(m)
+    assert m._parameters is converted
+    watch = ParameterWatch(m, {id(p) for p in m.parameters()}, gather_external=lambda p: None)
+    watch.install()
+    m.extra = torch.nn.Parameter(torch.zeros(2))   # noted by the container's __setitem__
+    assert list(watch._noted) == [id(m.extra)]
+    twin = copy.deepcopy(m)
+    assert type(twin._parameters) is ZeROOrderedDict and twin._parameters._watch is None
+    assert torch.equal(twin.weight, m.weight) and twin._parameters._parent_module is twin
+    watch.uninstall()
+    assert m._parameters._watch is None and not m._forward_pre_hooks

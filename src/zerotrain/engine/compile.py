@@ -265,6 +265,9 @@ class EngineCompile:
             raise
         compilation.install()
         self._compilation = compilation
+        watch = getattr(self, "_param_watch", None)
+        if watch is not None:   # Note "external parameters at stage 3" (param_watch.py)
+            watch.plain_reads()
 
     @property
     def is_compiled(self) -> bool:

@@ -47,6 +47,7 @@ from ..optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage
 from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from ..stages.base import Stage, StepOutcome
+from ..stages.param_watch import ParameterWatch
 from .throughput import ThroughputTimer
 from .timers import StepTimers
 from .unused import refuse_unused_parameters
@@ -106,9 +107,15 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._moved = moved_states.StateMover(self.device)   # offload_states / reload_states
         self._auto_cast = ((config.fp16.enabled and config.fp16.auto_cast)
                            or (config.bf16.enabled and config.bf16.auto_cast))
+        self._param_watch: Optional[ParameterWatch] = None
         if not self.inference_only or stage.partitions_parameters:
             claim(stage, module)   # Note: one open engine per model
             stage.zerotrain_engine = weakref.ref(self)   # closed by a new initialize
+            # Note "parameters the engine does not hold" in stages/param_watch.py
+            self._param_watch = ParameterWatch(module, stage.zerotrain_params,
+                                               gather_external=getattr(stage, "gather_external",
+                                                                       None))
+            self._param_watch.install()
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -331,6 +338,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         finally:
             self._checkpoint_writer = None      # its staging buffer goes with it
             close_stage(self.stage, self.module)
+            if self._param_watch is not None:
+                self._param_watch.uninstall()
 
     def _skip(self, outcome: StepOutcome) -> Optional[NonFiniteGradientError]:
         """A non-finite gradient, counted as skipped: fp16 rescales; otherwise the

@@ -151,6 +151,15 @@ class PartitionedDataParallel(BucketedStage):
         """A unit is used (Note "trace and prefetch" in scheduler.py): into the step's trail."""
         self.comm.ledger.trail.note("use", None, self._uses[index][backward])
 
+    def gather_external(self, param: nn.Parameter) -> None:
+        """``param``, released, is read during the model's forward by a module its unit's
+        plan does not know (Note "external parameters at stage 3" in
+        ``stages/param_watch.py``): gather its unit and keep it until backward ends."""
+        unit = getattr(param, "ds_unit", None)
+        index = getattr(getattr(unit, "spec", None), "index", None)
+        if index is not None and index < len(self.units) and self.units[index] is unit:
+            self.scheduler.pin(index, leaving=-1)
+
     def _on_grad(self, record: int, index: int, unit: Unit, param: nn.Parameter) -> None:
         if param.grad is None:
             return

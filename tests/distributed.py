@@ -11,10 +11,11 @@ suite pays the start-up of a world once per world size.
 Ranks are forked from multiprocessing's fork server, which has imported torch and zerotrain
 once per test process (:data:`_PRELOAD`): a rank then costs a fork instead of an interpreter
 start-up and those imports (about 3 s of CPU each, which a 2-core CI machine pays dozens of
-times over a run). A forked rank would carry the server's environment, so each rank takes
-the test process's environment as it is when the rank starts, as a spawned one would. A
-forked rank leaves by ``os._exit`` (no ``atexit`` handlers, no interpreter finalization):
-a test about what happens at interpreter exit passes ``start="spawn"`` to :func:`run_world`.
+times over a run; torch._dynamo, which the first optimizer imports, 1.5-2 s more). A forked
+rank would carry the server's environment, so each rank takes the test process's
+environment as it is when the rank starts, as a spawned one would. A forked rank leaves
+by ``os._exit`` (no ``atexit`` handlers, no interpreter finalization): a test about what
+happens at interpreter exit passes ``start="spawn"`` to :func:`run_world`.
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ DEFAULT_TIMEOUT_S = 240
 _POLL_S = 1.0          # how often the pool checks that every rank is still alive
 _STACK_DUMP_WAIT_S = 3.0
 _CLOSE_WAIT_S = 5.0    # how long closing waits for ranks to exit before killing them
-_PRELOAD = ["torch", "torch.distributed", "zerotrain", "distributed", "reference"]
+# torch._dynamo: torch.optim.Optimizer imports it on first use (about 800 modules, 1.5-2 s
+# of CPU), which every fresh rank that builds an engine paid again
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "zerotrain", "distributed",
+            "reference"]
 
 
 def _context(start: str = "forkserver"):

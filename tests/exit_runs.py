@@ -23,11 +23,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401 - see below
 import torch.distributed as dist  # noqa: E402
 
 import reference as R  # noqa: E402
 import zerotrain  # noqa: E402
 from zerotrain.comm import teardown  # noqa: E402
+
+# torch.optim.Optimizer imports torch._dynamo on first use (about 800 modules, 2-3 s of CPU);
+# imported here once, a forked rank does not pay it again in every run, and still exits
+# with the same modules loaded as when it imported them itself.
 
 
 def _rank(rank: int, store_path: str, cost_path: str, use_teardown: bool,

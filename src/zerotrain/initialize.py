@@ -108,8 +108,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if cfg.unimplemented_keys and dist.get_rank() == 0:   # once per job, at the user's line
         warnings.warn(unimplemented_message(cfg.unimplemented_keys), ZeroTrainConfigWarning,
                       stacklevel=_user_stacklevel())
-    if (not cfg.zero_optimization.ignore_unused_parameters and cfg.zero_optimization.stage == 3
-            and dist.get_rank() == 0):
+    if (not cfg.zero_optimization.ignore_unused_parameters and dist.get_rank() == 0
+            and stage_class(cfg.zero_optimization.stage).partitions_parameters):
         warnings.warn("zero_optimization.ignore_unused_parameters false has no effect at stage "
                       "3 (the unused-parameter check runs at stages 0-2, where DeepSpeed's "
                       "runs too)", ZeroTrainConfigWarning, stacklevel=_user_stacklevel())

@@ -48,6 +48,7 @@ from .ownership import claim, close_stage
 from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from ..stages.base import Stage, StepOutcome
 from ..stages.param_watch import ParameterWatch
+from ..stages.factory import shards_optimizer
 from .throughput import ThroughputTimer
 from .timers import StepTimers
 from .unused import refuse_unused_parameters
@@ -455,7 +456,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
 def _direct_backward_refusal(config: ZeroTrainConfig) -> Optional[str]:
     """Why a plain ``loss.backward()`` is refused with this config, or None: at stage 0, as
     DeepSpeed refuses it there (Note "stage 0" in ``direct_backward.py``)."""
-    if config.zero_optimization.stage != 0:
+    if shards_optimizer(config.zero_optimization.stage):
         return None
     return ("Direct calls to tensor.backward() are not supported at ZeRO stage 0 (as in "
             "DeepSpeed): call engine.backward(loss) instead, or use stage 1-3, where "

@@ -18,7 +18,7 @@ from .zero3.stage import PartitionedDataParallel
 from .base import Stage, StepOutcome
 from .zero12 import ShardedDataParallel, ShardPlan
 
-__all__ = ["Stage", "StepOutcome", "adopt", "build_stage", "stage_class"]
+__all__ = ["Stage", "StepOutcome", "adopt", "build_stage", "shards_optimizer", "stage_class"]
 
 _GRAD_REDUCTION = {0: AllReduceGrads, 1: ReduceScatterAtBoundary,
                    2: ReduceScatterEveryMicroStep}
@@ -32,6 +32,13 @@ def stage_class(stage: int) -> type:
         raise ConfigError("zero_optimization.stage", f"stage {stage} does not exist; use 0-3",
                           value=stage)
     return PartitionedDataParallel if stage == 3 else ShardedDataParallel
+
+
+def shards_optimizer(stage: int) -> bool:
+    """Whether ``zero_optimization.stage`` shards the optimizer over the data-parallel
+    ranks (stages 1-3); stage 0 steps it whole on every rank, as DDP does."""
+    stage_class(stage)   # refuses a stage that does not exist
+    return stage != 0
 
 
 def adopt(stage: int, module: nn.Module, comm: Communicator) -> None:

@@ -117,6 +117,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                                                gather_external=getattr(stage, "gather_external",
                                                                        None))
             self._param_watch.install()
+            stage.zerotrain_param_watch = self._param_watch   # removed by close_stage
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -338,9 +339,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             self.wait_for_checkpoint()
         finally:
             self._checkpoint_writer = None      # its staging buffer goes with it
-            close_stage(self.stage, self.module)
-            if self._param_watch is not None:
-                self._param_watch.uninstall()
+            close_stage(self.stage, self.module)   # the parameter watch too
 
     def _skip(self, outcome: StepOutcome) -> Optional[NonFiniteGradientError]:
         """A non-finite gradient, counted as skipped: fp16 rescales; otherwise the

@@ -33,8 +33,12 @@ def claim(stage: Stage, module: nn.Module) -> None:
 
 
 def close_stage(stage: Stage, module: nn.Module) -> None:
-    """Close ``stage`` (offload resources, hooks) and release ``module``'s parameters."""
+    """Close ``stage`` (offload resources, hooks, the engine's parameter watch) and release
+    ``module``'s parameters; also when the engine object itself is gone."""
     stage.close()
+    watch = getattr(stage, "zerotrain_param_watch", None)
+    if watch is not None:
+        watch.uninstall()
     stage.zerotrain_closed = True
     for p in module.parameters():
         ref = getattr(p, "_zerotrain_stage", None)

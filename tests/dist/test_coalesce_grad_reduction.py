@@ -24,17 +24,22 @@ def _exact_model(rank):
     return model, batches
 
 
-def _job(rank: int, world: int, stage: int, coalesce: bool):
+def _job(rank: int, world: int, stage: int, coalesce: bool, fp16_offload: bool = False):
     import zerotrain
     from zerotrain.errors import StateError
 
     model, batches = _exact_model(rank)
-    engine, *_ = zerotrain.initialize(model=model, config={
+    config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": WINDOW,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 24,
                               "stage3_param_persistence_threshold": 0,
                               "stage3_prefetch_bucket_size": 24},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.125}}})
+        "optimizer": {"type": "SGD", "params": {"lr": 0.125}}}
+    if fp16_offload:   # rank 0's second backward overflows: the first window is skipped
+        config["fp16"] = {"enabled": True, "initial_scale_power": 9, "hysteresis": 1}
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        batches = [b.half() for b in batches]
+    engine, *_ = zerotrain.initialize(model=model, config=config)
     assert engine._is_gradient_accumulation_boundary is None   # the engine counts
     flushes, micro_step_ids = [], []
     if stage == 3:   # DeepSpeed's flush, called through the instance (a spy sees it)
@@ -51,7 +56,10 @@ def _job(rank: int, world: int, stage: int, coalesce: bool):
         with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
             for i in range(WINDOW):
                 engine.set_gradient_accumulation_boundary(i == WINDOW - 1)
-                engine.backward(engine(batches[window * WINDOW + i]).sum())
+                loss = engine(batches[window * WINDOW + i]).sum()
+                if fp16_offload and window == 0 and i == 1 and rank == 0:
+                    loss = loss * float("inf")
+                engine.backward(loss)
                 if stage == 3:
                     micro_step_ids.append(engine.optimizer.micro_step_id)
                 if coalesce and i == WINDOW - 1:   # a StateError, and DeepSpeed's AssertionError
@@ -66,6 +74,10 @@ def _job(rank: int, world: int, stage: int, coalesce: bool):
     assert engine._is_gradient_accumulation_boundary is True   # the caller's last choice
     with zerotrain.zero.GatheredParameters(list(model.parameters())):
         out = [p.detach().clone() for p in model.parameters()]
+    if fp16_offload:
+        skipped = (engine.skipped_steps, engine.loss_scale)
+        engine.close()
+        return out, reduce_scatters, skipped
     if stage == 1:
         with engine.no_sync():
             with pytest.raises(StateError, match="nested"):
@@ -145,3 +157,20 @@ def test_a_coalesced_step_equals_the_plain_one(worlds, stage):
 
 def test_stage_0_and_deepspeeds_bf16_optimizer_refuse_it_as_deepspeed(worlds):
     assert worlds.run(2, _stage0_job) == [True, True]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_loss_scaling_and_optimizer_offload_inside_the_block(worlds, stage):
+    """fp16 with a dynamic loss scale and the optimizer on the host: an overflow inside the
+    block is found at the step as in the plain loop (skipped, the scale lowered), and the
+    next window updates as it does; the block still reduces once."""
+    plain = worlds.run(2, _job, stage, False, True)
+    coalesced = worlds.run(2, _job, stage, True, True)
+    for rank in range(2):
+        (p, p_rs, p_skip), (c, c_rs, c_skip) = plain[rank], coalesced[rank]
+        assert p_skip == c_skip and p_skip[0] == 1, (p_skip, c_skip)
+        assert c_rs[0] > 0 and p_rs == [WINDOW * c_rs[0]] * 2 and c_rs == [c_rs[0]] * 2
+        moved = [not torch.equal(a, b) for a, b in zip(p, _exact_model(rank)[0].parameters())]
+        assert any(moved)   # the second window updated
+        for a, b in zip(p, c):   # fp16 wire: its rounding may differ with the sums' order
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-3)

@@ -75,7 +75,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _coalescing_manager: Any = getattr(dist.distributed_c10d, "_coalescing_manager", None)
 
 
-
 def _public(name: str) -> Callable:
     """``zerotrain.comm.<name>`` as it is bound now (Note: public launch points)."""
     return getattr(sys.modules[__package__], name)
@@ -173,8 +172,9 @@ class Communicator:
         ``carried`` of its elements are a check's, counted apart in the ledger."""
         self.check_devices("all_reduce", label, tensor)
         self.ledger.record("all_reduce", tensor, factor=2, reach=self.reach, carried=carried)
-        return self._call("all_reduce", tensor, label, async_op, lambda: _public("all_reduce")(
-            tensor, op=_reduce_op(op), group=self.group, async_op=async_op))
+        return self._call("all_reduce", tensor, label, async_op,
+                          lambda: _public("all_reduce")(tensor, op=_reduce_op(op),
+                                                        group=self.group, async_op=async_op))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        async_op: bool = False, label: str = ""):
@@ -182,8 +182,9 @@ class Communicator:
         self._check_world_sized("reduce_scatter input", input, output)
         self.check_devices("reduce_scatter", label, output, input)
         self.ledger.record("reduce_scatter", input, reach=self.reach)
-        return self._call("reduce_scatter", input, label, async_op, lambda: _public("reduce_scatter_fn")(
-            output, input, group=self.group, async_op=async_op))
+        return self._call("reduce_scatter", input, label, async_op,
+                          lambda: _public("reduce_scatter_fn")(output, input, group=self.group,
+                                                               async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    label: str = "", carried: int = 0):
@@ -193,8 +194,9 @@ class Communicator:
         self.check_devices("all_gather", label, output, input)
         self.ledger.record("all_gather", output, reach=self.reach,
                            carried=carried * self.world_size)
-        return self._call("all_gather", output, label, async_op, lambda: _public("allgather_fn")(
-            output, input, group=self.group, async_op=async_op))
+        return self._call("all_gather", output, label, async_op,
+                          lambda: _public("allgather_fn")(output, input, group=self.group,
+                                                          async_op=async_op))
 
     def all_gather_into_many(self, outputs: Sequence[torch.Tensor],
                              inputs: Sequence[torch.Tensor], *, label: str = ""):
@@ -256,8 +258,9 @@ class Communicator:
         """Overwrite ``tensor`` on every rank with rank ``src``'s (a global rank)."""
         self.check_devices("broadcast", label, tensor)
         self.ledger.record("broadcast", tensor, reach=self.reach)
-        return self._call("broadcast", tensor, label, async_op, lambda: _public("broadcast")(
-            tensor, src=src, group=self.group, async_op=async_op))
+        return self._call("broadcast", tensor, label, async_op,
+                          lambda: _public("broadcast")(tensor, src=src, group=self.group,
+                                                       async_op=async_op))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    label: str = ""):
@@ -268,8 +271,9 @@ class Communicator:
                              f"{self.world_size}, got {input.numel()} and {output.numel()}")
         self.check_devices("all_to_all", label, output, input)
         self.ledger.record("all_to_all", input, reach=self.reach)
-        return self._call("all_to_all", input, label, async_op, lambda: _public("all_to_all_single")(
-            output, input, group=self.group, async_op=async_op))
+        return self._call("all_to_all", input, label, async_op,
+                          lambda: _public("all_to_all_single")(output, input, group=self.group,
+                                                               async_op=async_op))
 
     def _call(self, op: str, tensor: Optional[torch.Tensor], label: str, async_op: bool,
               launch):

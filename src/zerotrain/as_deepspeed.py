@@ -23,6 +23,16 @@ Note: aliases, not copies
     of its parent: aliasing ``deepspeed.utils.logging`` straight to ``zerotrain.utils``
     would overwrite the ``logging`` module inside ``zerotrain.utils``.
 
+Note: rebinding deepspeed.comm's functions
+    Scripts and DeepSpeed's tests wrap ``deepspeed.comm``'s collectives by assigning to the
+    module (``dist.all_reduce = counting_wrapper``, restored after), because DeepSpeed's
+    stages call them through it. An assignment to one of ``zerotrain.comm``'s functions on
+    the ``deepspeed.comm`` alias rebinds it in ``zerotrain.comm``, through which zerotrain's
+    own collectives launch (Note "public launch points" in ``comm/communicator.py``), so
+    the wrapper sees them; assigning the original back restores it. Other names, and every
+    other alias, are set on the alias alone (a child module the import system attaches,
+    say, must not land in the zerotrain module).
+
 Note: versions
     ``deepspeed.__version__`` (and ``__version_major__``/``_minor__``/``_patch__``, as
     DeepSpeed exports them) is ``zerotrain.DEEPSPEED_VERSION``, the DeepSpeed release whose
@@ -135,6 +145,8 @@ ALIASES.update({
     "deepspeed.runtime.zero.parameter_offload": "zerotrain.stages.param_watch",
 })
 _FORWARDED_DUNDERS = frozenset({"__all__", "__compatible_ops__"})  # others: the alias's
+# aliases whose functions a script may rebind (Note: rebinding deepspeed.comm's functions)
+_WRITABLE = frozenset({"deepspeed.comm", "deepspeed.comm.comm"})
 _GUIDE = "see docs/from-deepspeed.md, 'The API, name by name', for what zerotrain provides"
 
 
@@ -176,6 +188,19 @@ class _Alias(types.ModuleType):
             except AttributeError:
                 pass
         raise AttributeError(f"{child} is not provided by zerotrain ({_GUIDE})")
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        """Note: rebinding deepspeed.comm's functions."""
+        target = self.__dict__.get("__zerotrain_target__")
+        if self.__dict__.get("__name__") in _WRITABLE and not attr.startswith("__"):
+            module = importlib.import_module(target)
+            if isinstance(getattr(module, attr, None), types.FunctionType) or (
+                    callable(value) and not isinstance(value, types.ModuleType)
+                    and attr in self.__dict__.get("__zerotrain_rebound__", ())):
+                setattr(module, attr, value)
+                self.__dict__.setdefault("__zerotrain_rebound__", set()).add(attr)
+                return
+        super().__setattr__(attr, value)
 
     def __dir__(self) -> list[str]:
         target = self.__dict__.get("__zerotrain_target__")

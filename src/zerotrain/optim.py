@@ -201,6 +201,12 @@ class ZeroOptimizer:
     def state(self):
         return self.optimizer.state
 
+    @property
+    def micro_step_id(self) -> int:
+        """Stage 3: backwards reduced into the partitioned gradients since the last update
+        (DeepSpeed's counter; a ``coalesce_grad_reduction()`` block counts once)."""
+        return self._view("micro_step_id")
+
     def get_fp32_grad_partitions(self) -> dict:
         """{group index: {parameter index: this rank's fp32 gradient chunk}} (DeepSpeed's)."""
         return self._view("get_fp32_grad_partitions")

@@ -367,6 +367,10 @@ def _reduced_gradient(engine: Any, record: Any, what: str) -> Optional[torch.Ten
     backward ran in this window. Refused before the window's last backward."""
     if not engine._backward_in_window:
         return None
+    if getattr(engine, "_coalescing", False):
+        raise StateError(f"{what} inside coalesce_grad_reduction(): the block's gradients "
+                         "are still this rank's alone, reduced over ranks at its exit; "
+                         "call it after the block, before engine.step()")
     if not engine.managed_gradient_accumulation() and not engine._in_step:
         raise StateError(f"{what}: with managed_gradient_accumulation=False the window's "
                          "gradients are reduced over ranks only inside engine.step(), which "

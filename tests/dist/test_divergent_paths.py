@@ -7,6 +7,8 @@ size, which paired up and trained wrong weights without a word; now every rank s
 that gather naming both units. Declared a leaf, the block is one unit and trains exactly
 like one process, as stages 0-2 do.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -111,7 +113,15 @@ def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra
             if bad and kind == "extra_forward":
                 engine(x, route, y)   # e.g. a loss logged on one rank, under grad
             try:
-                engine.backward(loss)
+                if kind.startswith("coalesce") and step == bad_step:
+                    # two backwards before the step: rank 1 (every rank, "coalesce_all")
+                    # holds them in a block and reduces once, the others twice
+                    held = bad or kind == "coalesce_all"
+                    with engine.coalesce_grad_reduction() if held else contextlib.nullcontext():
+                        engine.backward(loss)
+                        engine.backward(engine(x, route, y))
+                else:
+                    engine.backward(loss)
             except RuntimeError as exc:
                 if "injected" not in str(exc):
                     raise
@@ -147,7 +157,7 @@ def test_injected_divergence_is_caught_on_every_rank_within_its_step(worlds):
 # gradient reduce-scatter, which an extra forward on another rank meets with a gather:
 # gloo pairs neither, and this waited out comms_timeout (Note "held reductions" in
 # zero3/gather_check.py). The short timeout turns such a wait into a failed test.
-TRACED = ["extra_forward", "late_forward", "skip"]
+TRACED = ["extra_forward", "late_forward", "skip", "coalesce"]
 SHORT_TIMEOUT_S = 20
 
 
@@ -168,6 +178,10 @@ def _traced_injections(rank, world):
         out.update({(kind, "planned"): _inject(
             rank, world, 3, kind, bad_step=PLANNED_STEP, steps=PLANNED_STEP + 1,
             planned=planned, comms_timeout=SHORT_TIMEOUT_S) for kind in PLANNED})
+        # every rank holds the step's backwards in a coalesce_grad_reduction() block: the
+        # schedule changed for all, which leaves the plan alike and goes on with headers
+        out["coalesce_all"] = _inject(rank, world, 3, "coalesce_all", bad_step=PLANNED_STEP,
+                                      steps=PLANNED_STEP + 2, comms_timeout=SHORT_TIMEOUT_S)
         return out, planned
     finally:
         set_group_timeout(saved)
@@ -200,6 +214,11 @@ def test_divergence_after_the_trace_exists_is_caught_at_once_on_every_rank(world
     assert "the optimizer step" in late and "gather 0 of forward pass 3" in late, late
     late = per_rank[0][("late_forward", "planned")][2]
     assert "the optimizer step" in late and "engine forward" in late, late
+    held = per_rank[0]["coalesce"][2]   # rank 1 held its backwards, the others reduced
+    assert "2 gradient reduce-scatters in the backward" in held, held
+    held = per_rank[0][("coalesce", "planned")][2]
+    assert "reduce_scatter of" in held and "rank 1: forward" in held, held
+    assert all(out["coalesce_all"] == (PLANNED_STEP + 1, None, None) for out in per_rank)
 
 
 CHAOS_STEPS = {2: 50, 3: 25}   # per stage: 200 steps on 2 ranks, 100 on 3

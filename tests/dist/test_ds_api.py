@@ -343,3 +343,51 @@ def test_scheduler_stepped_by_the_loop_too_warns_once_naming_it(worlds):
         assert len(warned) == 1 and "LambdaLR" in warned[0], warned
     for warned in worlds.run(2, _scheduler_job, False):
         assert warned == []
+
+
+def _wrapped_comm_job(rank: int, world: int) -> dict:
+    """A counting wrapper assigned to ``deepspeed.comm``'s collectives (as DeepSpeed's tests
+    and profilers set them) sees zerotrain's own: a stage-2 step's (Note "public launch
+    points" in comm/communicator.py); assigning the original back restores it."""
+    import zerotrain
+    from zerotrain import as_deepspeed
+
+    as_deepspeed.install()
+    try:
+        import deepspeed.comm as dist
+        names = ("all_reduce", "reduce_scatter_fn", "allgather_fn")
+        originals = {name: getattr(dist, name) for name in names}
+        seen = dict.fromkeys(names, 0)
+
+        def counting(name):
+            def wrapper(*args, **kwargs):
+                seen[name] += 1
+                return originals[name](*args, **kwargs)
+            return wrapper
+        for name in names:
+            setattr(dist, name, counting(name))
+        dist.not_a_function = 3   # set on the alias alone
+        try:
+            model = R.make_model()
+            engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=2))
+            engine.comm.ledger.reset()
+            R.train_engine(engine, steps=1, rank=rank, ga=1)
+            calls = dict(engine.comm.ledger.snapshot()["calls"])
+            engine.close()
+        finally:
+            for name in names:
+                setattr(dist, name, originals[name])
+        restored = all(getattr(zerotrain.comm, n) is originals[n] for n in names)
+        leaked = hasattr(zerotrain.comm, "not_a_function")
+    finally:
+        as_deepspeed.uninstall()
+    return {"seen": seen, "calls": calls, "restored": restored, "leaked": leaked}
+
+
+def test_wrappers_set_on_deepspeed_comm_see_zerotrains_collectives(worlds):
+    for res in worlds.run(2, _wrapped_comm_job):
+        seen, calls = res["seen"], res["calls"]
+        assert seen["reduce_scatter_fn"] == calls["reduce_scatter"] > 0, res
+        assert seen["allgather_fn"] == calls["all_gather"] > 0, res
+        assert seen["all_reduce"] == calls["all_reduce"] > 0, res
+        assert res["restored"] and not res["leaked"], res

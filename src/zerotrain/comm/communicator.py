@@ -29,6 +29,19 @@ Note: coalesced gathers
     differs. The backend is the same on every rank, so every rank takes the same path and
     the collectives pair up.
 
+Note: public launch points
+    Each collective a :class:`Communicator` launches goes through the ``zerotrain.comm``
+    function of its family (``deepspeed.comm``'s through the switch), looked up when it
+    launches: ``all_reduce``, ``reduce_scatter_fn``, ``allgather_fn``, ``broadcast``,
+    ``all_to_all_single``, ``barrier``, ``all_gather_object``. DeepSpeed's stages call
+    those names, so scripts wrap them (a profiler, a fault injector, a collective count);
+    here a wrapper set on one of them sees zerotrain's own collectives as well. The checks,
+    the ledger and the trail stay here, before the call: a wrapper changes what runs, never
+    what is counted. Only gathers that go out together inside torch's coalescing manager
+    (a device: Note "coalesced gathers") launch directly: the manager collects the calls
+    rather than running them, so a wrapper there could break the group call; gathered
+    one by one (the host), each goes through ``allgather_fn``.
+
 Note: a traced world
     The memory planner (``planner/``) runs one rank of a world over torch's fake process
     group (backend ``fake``), on fake tensors: its collectives return at once and carry no
@@ -42,7 +55,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Mapping, Optional, Sequence
+import sys
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +73,12 @@ logger = logging.getLogger(__name__)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _coalescing_manager: Any = getattr(dist.distributed_c10d, "_coalescing_manager", None)
+
+
+def _public(name: str) -> Callable:
+    """``zerotrain.comm.<name>`` as it is bound now (Note: public launch points)."""
+    return getattr(sys.modules[__package__], name)
+
 
 # Process groups are costly to create and never freed by torch before shutdown: each
 # partition gets its group once per process (keyed by the default group it was made from).
@@ -152,8 +172,9 @@ class Communicator:
         ``carried`` of its elements are a check's, counted apart in the ledger."""
         self.check_devices("all_reduce", label, tensor)
         self.ledger.record("all_reduce", tensor, factor=2, reach=self.reach, carried=carried)
-        return self._call("all_reduce", tensor, label, async_op, lambda: dist.all_reduce(
-            tensor, op=_reduce_op(op), group=self.group, async_op=async_op))
+        return self._call("all_reduce", tensor, label, async_op,
+                          lambda: _public("all_reduce")(tensor, op=_reduce_op(op),
+                                                        group=self.group, async_op=async_op))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        async_op: bool = False, label: str = ""):
@@ -161,8 +182,9 @@ class Communicator:
         self._check_world_sized("reduce_scatter input", input, output)
         self.check_devices("reduce_scatter", label, output, input)
         self.ledger.record("reduce_scatter", input, reach=self.reach)
-        return self._call("reduce_scatter", input, label, async_op, lambda: _reduce_scatter(
-            output, input, group=self.group, async_op=async_op))
+        return self._call("reduce_scatter", input, label, async_op,
+                          lambda: _public("reduce_scatter_fn")(output, input, group=self.group,
+                                                               async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    label: str = "", carried: int = 0):
@@ -172,8 +194,9 @@ class Communicator:
         self.check_devices("all_gather", label, output, input)
         self.ledger.record("all_gather", output, reach=self.reach,
                            carried=carried * self.world_size)
-        return self._call("all_gather", output, label, async_op, lambda: _all_gather(
-            output, input, group=self.group, async_op=async_op))
+        return self._call("all_gather", output, label, async_op,
+                          lambda: _public("allgather_fn")(output, input, group=self.group,
+                                                          async_op=async_op))
 
     def all_gather_into_many(self, outputs: Sequence[torch.Tensor],
                              inputs: Sequence[torch.Tensor], *, label: str = ""):
@@ -235,8 +258,9 @@ class Communicator:
         """Overwrite ``tensor`` on every rank with rank ``src``'s (a global rank)."""
         self.check_devices("broadcast", label, tensor)
         self.ledger.record("broadcast", tensor, reach=self.reach)
-        return self._call("broadcast", tensor, label, async_op, lambda: dist.broadcast(
-            tensor, src=src, group=self.group, async_op=async_op))
+        return self._call("broadcast", tensor, label, async_op,
+                          lambda: _public("broadcast")(tensor, src=src, group=self.group,
+                                                       async_op=async_op))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    label: str = ""):
@@ -247,8 +271,9 @@ class Communicator:
                              f"{self.world_size}, got {input.numel()} and {output.numel()}")
         self.check_devices("all_to_all", label, output, input)
         self.ledger.record("all_to_all", input, reach=self.reach)
-        return self._call("all_to_all", input, label, async_op, lambda: dist.all_to_all_single(
-            output, input, group=self.group, async_op=async_op))
+        return self._call("all_to_all", input, label, async_op,
+                          lambda: _public("all_to_all_single")(output, input, group=self.group,
+                                                               async_op=async_op))
 
     def _call(self, op: str, tensor: Optional[torch.Tensor], label: str, async_op: bool,
               launch):
@@ -271,12 +296,13 @@ class Communicator:
         out: list = [None] * self.world_size
         self.ledger.calls["all_gather_object"] += 1
         self._call("all_gather_object", None, label, False,
-                   lambda: dist.all_gather_object(out, obj, group=self.group))
+                   lambda: _public("all_gather_object")(out, obj, group=self.group))
         return out
 
     def barrier(self, *, label: str = "") -> None:
         """Wait until every rank of the group arrives; named (with ``label``) in any error."""
-        self._call("barrier", None, label, False, lambda: dist.barrier(group=self.group))
+        self._call("barrier", None, label, False,
+                   lambda: _public("barrier")(group=self.group))
 
 
 def coalescable(outputs: Sequence[torch.Tensor]) -> bool:
@@ -302,7 +328,8 @@ def launch_gathers(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             _drop_coalescing_state(group)
             refused = exc
-    works = [_all_gather(output, input, group=group, async_op=True)
+    gather = _public("allgather_fn")   # Note: public launch points
+    works = [gather(output, input, group=group, async_op=True)
              for output, input in zip(outputs, inputs)]
     return _Launches(works, len(works), inputs), refused
 

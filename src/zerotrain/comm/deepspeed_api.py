@@ -2,9 +2,11 @@
 
 Why a module of its own: scripts written for DeepSpeed do ``import deepspeed.comm as dist``
 and call ``dist.get_rank()`` or ``dist.all_reduce(t)``; these functions give them the same
-names over the default process group (or ``group``) like their torch.distributed namesakes,
-apart from zerotrain's own :class:`~zerotrain.comm.Communicator`, which they do not use
-(they are not counted in its ledger). The extra keyword arguments of DeepSpeed's versions
+names over the default process group (or ``group``) like their torch.distributed namesakes.
+They do not use zerotrain's own :class:`~zerotrain.comm.Communicator` (a script's calls are
+not counted in its ledger); the Communicator launches through them instead, so a wrapper
+set on one sees zerotrain's collectives too (Note "public launch points" in
+``communicator.py``). The extra keyword arguments of DeepSpeed's versions
 (``prof``, ``log_name``, ``debug``) are accepted and ignored. Every rank of the group must
 call a collective, in the same order; point-to-point calls (``send``/``recv``...) pair one
 sender with one receiver. ``isend``/``irecv`` return torch's work handle (DeepSpeed's own
@@ -19,7 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .communicator import _all_gather, _reduce_scatter, coalescable, launch_gathers
+from . import communicator as _wire
+from .communicator import coalescable, launch_gathers
 
 ReduceOp = dist.ReduceOp
 
@@ -147,7 +150,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            **_: Any):
     """Every rank's ``input_tensor`` concatenated into ``output_tensor`` in rank order."""
     _require_group("all_gather_into_tensor")
-    return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _wire._all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -157,7 +160,7 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
     _require_group("reduce_scatter_tensor")
     if op != ReduceOp.SUM:
         raise ValueError(f"comm.reduce_scatter_tensor supports op=ReduceOp.SUM, got {op}")
-    return _reduce_scatter(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _wire._reduce_scatter(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,

@@ -137,12 +137,27 @@ class EngineAccumulation:
         return (self.train_batch_size() // self.gradient_accumulation_steps()
                 * self._window_backwards)
 
-    def _reduce_local_gradients(self) -> None:
+    def _reduce_local_gradients(self, boundary: bool = True) -> None:
         """One reducing empty backward: the local sums go over the ranks once."""
-        self.stage.begin_backward(True)
-        self.stage.buckets.begin(True)
-        self.stage.finish_backward()
+        self.stage.reduce_local(boundary)
         self._local_backwards = 0
+
+    def _flush_coalesced_reduction_zero3(self, optimizer: Any) -> None:
+        """DeepSpeed's stage-3 flush at a ``coalesce_grad_reduction()`` block's exit: the
+        block's held gradients are reduce-scattered once into the partitioned gradients,
+        as one backward's are (Note "held backwards" in stages/buckets.py). The block
+        calls it through the instance, so a wrapper assigned on the engine sees it.
+        ``optimizer`` is this engine's (DeepSpeed's signature): its ``micro_step_id`` (the
+        backwards reduced into the partitions since the last update) is 0 here after a
+        block that began the window, and counts this flush once it returns. Collective."""
+        if optimizer is not self.optimizer:
+            raise ValueError("_flush_coalesced_reduction_zero3 takes this engine's optimizer "
+                             f"(engine.optimizer), got {type(optimizer).__name__}")
+        if not self.stage.partitions_parameters:
+            raise ContextMisuseError(
+                f"_flush_coalesced_reduction_zero3 at ZeRO stage "
+                f"{self.zero_optimization_stage()}: it is stage 3's flush")
+        self._reduce_local_gradients(self.is_gradient_accumulation_boundary())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -168,10 +183,16 @@ class EngineAccumulation:
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:
         """DeepSpeed 0.19's one reduction per step: the backwards inside keep their
-        gradients on this rank and leaving the block reduces them once; ``step()`` comes
-        after it. Stage 1 accumulates locally as under ``no_sync``; stages 2 and 3
-        reduce-scatter each backward into the rank's shard sum, so there the block changes
-        how many reductions run, not the mean the step applies (as DeepSpeed's flush)."""
+        gradients on this rank and leaving the block reduces them once, so N backwards
+        issue the collectives of one; ``step()`` comes after it. Stage 1 accumulates
+        locally as under ``no_sync``; stages 2 and 3 hold each backward's gradients apart
+        from the shard sum, whole and unreduced, in the accumulation dtype, and the exit
+        reduce-scatters them in the stage's usual buckets (Note "held backwards" in
+        stages/buckets.py; at stage 3 through ``_flush_coalesced_reduction_zero3``). The
+        price at stages 2 and 3: until the exit each rank holds the full gradient (4 bytes
+        per trained parameter in fp32 accumulation), not its shard, as DeepSpeed's block
+        keeps every ``.grad``. The mean the step applies is the plain loop's, its sums
+        added in another order (equal bit for bit where they are exact)."""
         self._refuse_unmanaged("coalesce_grad_reduction")
         if self.zero_optimization_stage() == 0:
             raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
@@ -191,16 +212,20 @@ class EngineAccumulation:
         if self.inside_no_sync_ctxt or self._coalescing:
             raise ContextMisuseError("coalesce_grad_reduction cannot be nested inside another no_sync "
                              "or coalesce_grad_reduction block")
-        local = not self.stage.reduces_every_micro_step
         self._coalescing = True
-        self.inside_no_sync_ctxt = local
+        self.inside_no_sync_ctxt = True
         try:
             yield
         finally:
             self._coalescing = False
             self.inside_no_sync_ctxt = False
-            if local and self._local_backwards:   # the flush
-                self._reduce_local_gradients()
+            if self._local_backwards:   # the flush
+                if self.stage.partitions_parameters:
+                    self._flush_coalesced_reduction_zero3(self.optimizer)
+                elif self.stage.reduces_every_micro_step:
+                    self._reduce_local_gradients(self.is_gradient_accumulation_boundary())
+                else:
+                    self._reduce_local_gradients()
 
 
 def _unpatchable_wrapper(optimizer: Any) -> Optional[str]:

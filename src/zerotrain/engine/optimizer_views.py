@@ -115,6 +115,21 @@ class OptimizerViews:
         handles = getattr(self.engine().stage, "forward_hook_handles", None)
         return handles() if handles is not None else []
 
+    def micro_step_id(self) -> int:
+        """DeepSpeed's stage-3 count: the backwards whose gradients were reduced into the
+        partitioned gradients since the last update (0: the next reduction starts them
+        afresh). A backward inside ``coalesce_grad_reduction()`` reduces nothing; the
+        block's exit counts once. 0 after ``optimizer.zero_grad()``, whose drop takes
+        effect at the next backward. Stage 3 only: DeepSpeed's stage 1-2 optimizer counts
+        differently (from -1)."""
+        engine = self.engine()
+        if not engine.stage.partitions_parameters:
+            raise AttributeError(
+                "micro_step_id is a ZeRO stage 3 attribute here (the backwards reduced into "
+                f"the partitioned gradients since the last update); this engine runs stage "
+                f"{engine.zero_optimization_stage()}")
+        return 0 if engine._drop_grads_at_backward else engine.stage.reductions_this_window
+
     def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
         """DeepSpeed's stage-3 ``{group index: {parameter index: fp32 chunk}}``: this rank's
         chunk of each trained parameter's averaged gradient (:meth:`averaged_gradients`,

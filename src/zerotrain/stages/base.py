@@ -80,18 +80,35 @@ class BucketedStage:
         return self.buckets.reduces_on(False)
 
     def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
-        if local:   # accumulate only; the window's reducing backward takes these too
-            if self.reduces_every_micro_step:
-                raise StateError("this stage reduces every backward's gradients, so none "
-                                 "can stay local")
+        holding = local and self.reduces_every_micro_step
+        if holding:   # held until reduce_local (Note "held backwards" in buckets.py)
+            boundary = False
+        elif local:   # accumulate only; the window's reducing backward takes these too
             if self.buckets.reduced_this_window:
                 raise StateError("a backward inside engine.no_sync() after a backward outside "
                                  "it already reduced this accumulation window's gradients; "
                                  "call engine.step() first")
             boundary = False
+        if not self.buckets.active:
+            self.buckets.holding = holding
         self._boundary = boundary
         if boundary and not self.buckets.active:
             self.arrivals.restart()
+
+    def reduce_local(self, boundary: bool) -> None:
+        """What backwards kept on this rank (``no_sync``, ``coalesce_grad_reduction``) goes
+        over the ranks: one reducing backward with no gradients of its own, its blocks
+        launched in the usual order and buckets (Note "held backwards" in buckets.py).
+        Collective."""
+        self.begin_backward(boundary)
+        self.buckets.begin(boundary)
+        self.buckets.finish()
+
+    @property
+    def reductions_this_window(self) -> int:
+        """Backwards whose gradients were reduced into the shard sums since the last
+        update or ``zero_grad`` (a held or only accumulated one is not counted)."""
+        return self.buckets.reductions_this_window
 
     def record_reduced(self, g: int, shard: torch.Tensor) -> None:
         """The buckets' ``on_reduced``: record g's reduced ``shard`` is final for this

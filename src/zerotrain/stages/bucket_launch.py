@@ -93,6 +93,9 @@ class GradientBuckets:
     """
 
     defer_without_overlap = False
+    # backwards only accumulate on this rank, for a later reducing one to take (stage 2's
+    # buckets: Note "held backwards" in buckets.py); only ``begin`` reads it
+    holding = False
 
     def __init__(self, layouts: Sequence[FlatLayout], comm: Communicator, *,
                  accum_dtype: torch.dtype, device: torch.device, overlap: bool,
@@ -148,6 +151,11 @@ class GradientBuckets:
         return shard.dtype
 
     @property
+    def reductions_this_window(self) -> int:
+        """Micro-steps reduced (or deferred to :meth:`collect`) since :meth:`clear`."""
+        return self._reductions
+
+    @property
     def reduced_this_window(self) -> bool:
         """Whether a micro-step of this accumulation window has been reduced (or deferred to
         :meth:`collect`) since :meth:`clear`."""
@@ -174,7 +182,7 @@ class GradientBuckets:
         if self.phase is BucketPhase.DEFERRED:
             raise StateError("a new backward began before the optimizer step consumed the "
                              "accumulation boundary's gradients; call engine.step()")
-        self._move(BucketPhase.REDUCING if self.reduces_on(boundary)
+        self._move(BucketPhase.REDUCING if self.reduces_on(boundary) and not self.holding
                    else BucketPhase.ACCUMULATING)
         self._at_boundary = boundary
         if boundary:

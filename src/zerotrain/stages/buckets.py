@@ -34,6 +34,21 @@ Note: releasing buckets
     Stages 0 and 1 keep their full accumulation buffer by design; with ``overlap_comm``
     their boundary's reductions too are launched asynchronously from the hooks during
     backward, without it they wait for the step (DeepSpeed's default: no overlap there).
+
+Note: held backwards
+    Inside ``engine.coalesce_grad_reduction()`` stage 2's (and 3's) buckets are
+    ``holding``: a backward's gradients are summed on this rank, in ``accum_dtype``, into a
+    full-size buffer per block (its staging buffer's shape), and nothing is launched. The
+    block's exit is one reducing backward with no gradients of its own: each block's held
+    sum becomes its staging buffer (cast to the communication dtype) and goes out as any
+    backward's would, in the same order, bucketing and number of launches. So N backwards
+    in the block issue the reduce-scatters of one, and the shard sum gets one reduction
+    where it would have got N. The price is memory: until the exit a rank holds the
+    whole unreduced gradient (every block's), in ``accum_dtype``, as DeepSpeed's block
+    keeps every parameter's ``.grad``; outside the block no held buffer exists. The sum
+    differs from N reductions only in the order its terms are added (each rank's
+    backwards first, then the ranks), so it is the same bit for bit wherever those sums
+    are exact, and within rounding otherwise.
 """
 from __future__ import annotations
 
@@ -145,23 +160,41 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         super().__init__(*args, **kwargs)
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._shard: list[Optional[torch.Tensor]] = [None] * len(self.layouts)
+        self._held: dict[tuple[int, int], torch.Tensor] = {}   # Note: held backwards
 
     def reduces_on(self, boundary: bool) -> bool:
         return True
 
     def _staging_of(self, g: int, block: Block) -> torch.Tensor:
         """One micro-step's gradients of a block, in the communication dtype (a parameter's
-        gradient arrives once per backward, so nothing is summed in it but zeros)."""
+        gradient arrives once per backward, so nothing is summed in it but zeros); or what
+        held backwards summed, which this reducing one sends (Note: held backwards)."""
         key = (g, block.index)
         if key not in self._staging:
-            numel = self.layouts[g].block_full_numel(block)
-            self._staging[key] = torch.zeros(numel, dtype=self.comm_dtype, device=self.device)
+            held = self._held.pop(key, None)
+            if held is not None:
+                self._staging[key] = held.to(self.comm_dtype)   # itself when already so
+            else:
+                numel = self.layouts[g].block_full_numel(block)
+                self._staging[key] = torch.zeros(numel, dtype=self.comm_dtype,
+                                                 device=self.device)
         return self._staging[key]
+
+    def _held_of(self, g: int, block: Block) -> torch.Tensor:
+        """The block's sum over the held backwards, in ``accum_dtype`` (Note: held
+        backwards)."""
+        key = (g, block.index)
+        if key not in self._held:
+            numel = self.layouts[g].block_full_numel(block)
+            self._held[key] = torch.zeros(numel, dtype=self.accum_dtype, device=self.device)
+        return self._held[key]
 
     def _accumulate(self, g, block, slot_index, grad) -> None:
         layout = self.layouts[g]
-        matrix = layout.block_view(self._staging_of(g, block), block)
-        layout.add_full_into_block(matrix, layout.slots[slot_index], grad)
+        flat = (self._held_of(g, block) if self.phase is BucketPhase.ACCUMULATING
+                else self._staging_of(g, block))
+        layout.add_full_into_block(layout.block_view(flat, block), layout.slots[slot_index],
+                                   grad)
 
     def _launch(self, g, block) -> None:
         if self._shard[g] is None:
@@ -194,12 +227,19 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
 
     def clear(self) -> None:
         """After the step the shard sum is consumed: free it (the next backward allocates
-        it again), so between steps a rank holds no gradient at all."""
+        it again), so between steps a rank holds no gradient at all. Held sums go too."""
         self._shard = [None] * len(self.layouts)
+        self._held = {}
         self._reductions = 0
 
+    @property
+    def holds_gradients(self) -> bool:
+        """Whether held backwards left sums that no reducing backward has sent yet."""
+        return bool(self._held)
+
     def tensors(self) -> list[torch.Tensor]:
-        return list(self._staging.values()) + [t for t in self._shard if t is not None]
+        return (list(self._staging.values()) + list(self._held.values())
+                + [t for t in self._shard if t is not None])
 
     def reduced_tensors(self) -> list[torch.Tensor]:
         return [t for t in self._shard if t is not None]

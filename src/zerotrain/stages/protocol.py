@@ -54,13 +54,22 @@ class Stage(Protocol):
     def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
         """Called before each micro-step's backward; ``boundary`` if it ends accumulation.
         ``local``: keep this backward's gradients on this rank, to be reduced with the
-        window's next reducing backward (``engine.no_sync``); StateError where the stage
-        cannot (``reduces_every_micro_step``) or the window was already reduced."""
+        window's next reducing backward (stages 0-1, ``engine.no_sync``; StateError when
+        the window was already reduced) or by :meth:`reduce_local` (stages 2-3, which hold
+        them apart from the shard sums: ``coalesce_grad_reduction``)."""
+
+    def reduce_local(self, boundary: bool) -> None:
+        """Reduce what ``local`` backwards kept on this rank, as one backward with no
+        gradients of its own would. Collective."""
+
+    @property
+    def reductions_this_window(self) -> int:
+        """Backwards reduced into the shard sums since the last update or ``zero_grad``."""
 
     @property
     def reduces_every_micro_step(self) -> bool:
-        """Whether every backward reduces its gradients (stages 2-3 reduce-scatter them into
-        shards), so that none can stay local to one rank."""
+        """Whether every backward outside ``local`` ones reduces its gradients (stages 2-3
+        reduce-scatter them into shards): ``no_sync`` cannot keep them local there."""
 
     def finish_backward(self) -> None:
         """Called after backward: every gradient of this micro-step is reduced or stored."""

@@ -10,6 +10,7 @@ import time
 import pytest
 
 import reference as R
+from distributed import run_world
 
 HERE = os.path.dirname(os.path.dirname(__file__))
 
@@ -34,8 +35,13 @@ def _soak(rank, world, steps, probes):
     return seen
 
 
-def test_memory_stays_flat_over_a_long_stage3_run(worlds):
-    for res in worlds.run(2, _soak, 400, (100, 400)):
+def test_memory_stays_flat_over_a_long_stage3_run():
+    # A fresh world, not the shared pool: the probes count every tensor of the process, and
+    # a pooled rank still holds objects of the tests run on it before, some of which are
+    # freed during these 400 steps (after test_precision_dist.py and test_offload.py the
+    # live bytes fell from 161,840 at step 100 to 134,328 at step 400, this engine's own
+    # 4,024 unchanged), which made the comparison depend on the order of the tests.
+    for res in run_world(_soak, 2, 400, (100, 400)):
         early, late = res[100], res[400]
         assert late["live"] == early["live"], res
         assert late["rss"] <= early["rss"] * 1.01, res

@@ -18,13 +18,13 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-def _engine(stage, *, leaf, n_experts=2, comms_timeout=None, **zero):
+def _engine(stage, *, leaf, n_experts=2, comms_timeout=None, ga=1, **zero):
     import zerotrain
     from zerotrain.utils import set_z3_leaf_modules
     model = M.make_model(n_experts)
     if leaf:
         set_z3_leaf_modules(model, [M.Experts])
-    config = R.engine_config(stage=stage)
+    config = R.engine_config(stage=stage, ga=ga)
     if comms_timeout is not None:
         config["comms_timeout"] = comms_timeout
     config["zero_optimization"].update(zero)
@@ -91,7 +91,8 @@ class _Raise(torch.autograd.Function):
 
 
 def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra):
-    """Train 3 steps; at ``bad_step`` rank 1 diverges as ``kind`` says. Returns
+    """Train 3 steps (micro-steps, with ``ga`` in ``extra``); at ``bad_step`` rank 1
+    diverges as ``kind`` says. Returns
     (step reached, error name, message) of the first error; appends to ``planned``
     whether stage 3's launches followed a plan at ``bad_step`` (zero3/plan.py)."""
     engine, model = _engine(stage, leaf=stage == 3, n_experts=2, **extra)
@@ -110,13 +111,19 @@ def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra
             model.moe.forward = moe_forward
             if bad and kind == "extra_forward":
                 engine(x, route, y)   # e.g. a loss logged on one rank, under grad
-            try:
-                engine.backward(loss)
+            try:   # "repeat_backward": the same loss twice on one rank
+                engine.backward(loss, retain_graph=bad and kind == "repeat_backward")
+                if bad and kind == "repeat_backward":
+                    engine.backward(loss)
             except RuntimeError as exc:
                 if "injected" not in str(exc):
                     raise
             if bad and kind == "late_forward":
                 engine(x, route, y)   # after backward, before the step
+            if bad and kind == "extra_backward":   # e.g. an auxiliary loss on one rank
+                engine.backward(engine(x, route, y))
+            if bad and kind == "extra_direct_backward":
+                engine(x, route, y).backward()
             engine.step()
         return (step, None, None)
     except Exception as exc:   # noqa: BLE001 - the error is the result
@@ -200,6 +207,62 @@ def test_divergence_after_the_trace_exists_is_caught_at_once_on_every_rank(world
     assert "the optimizer step" in late and "gather 0 of forward pass 3" in late, late
     late = per_rank[0][("late_forward", "planned")][2]
     assert "the optimizer step" in late and "engine forward" in late, late
+
+
+# A rank that runs one more backward than its peers (Note "backwards that reduce" in
+# engine/accumulation.py). Where that backward reduces (every one at stage 2, the window's
+# last at stages 0-1) its reductions met the peers' next collectives: gloo aborted the
+# process or a rank stopped alone while the others waited (on NCCL a hang); now every rank
+# votes before such a backward and before each update. (stage, kind, ga, bad micro-step):
+# at ga=1 the extra backward meets the peers' update, at ga=2's micro-step 2 (mid-window)
+# their next backward at stage 2; mid-window at stage 1 it only accumulates, and the
+# step's fingerprint (which notes every backward) catches it, as stage 3's checks do.
+EXTRA = [(0, "extra_backward", 1, 1), (1, "extra_backward", 1, 1),
+         (1, "repeat_backward", 2, 2), (3, "extra_backward", 1, 1),
+         (2, "extra_backward", 1, 1), (2, "extra_backward", 2, 2),
+         (2, "extra_direct_backward", 1, 1), (2, "extra_direct_backward", 2, 2)]
+
+
+def _extra_backwards(rank, world):
+    from zerotrain.comm.setup import group_timeout, set_group_timeout
+    saved = group_timeout()   # the pool's ranks run later tests with their own timeout
+    try:
+        return {case: _inject(rank, world, case[0], case[1], bad_step=case[3], ga=case[2],
+                              steps=case[3] + 2, comms_timeout=SHORT_TIMEOUT_S)
+                for case in EXTRA if world == 2 or case[0] == 2}
+    finally:
+        set_group_timeout(saved)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_extra_backward_on_one_rank_is_caught_on_every_rank(worlds, world):
+    per_rank = worlds.run(world, _extra_backwards)
+    assert len(per_rank[0]) == (len(EXTRA) if world == 2 else 4)
+    for case in per_rank[0]:
+        stage, kind, ga, bad = case
+        voted = stage < 3 and (stage == 2 or ga == 1)   # the extra backward reduces
+        messages = []
+        for rank in range(world):
+            step, name, message = per_rank[rank][case]
+            assert name == "RankDivergenceError", (case, rank, name, message)
+            assert f"rank {rank}:" in message, message
+            if not voted:   # caught at the step (fingerprint) or a stage-3 gather
+                assert step in (bad, bad + 1), (case, rank, step, message)
+                continue
+            # at the vote before the extra backward; the peers at their update (ga=1) or
+            # at their next micro-step's backward (ga=2, mid-window)
+            assert step == (bad if rank == 1 or ga == 1 else bad + 1), (case, rank, step)
+            messages.append(message.split(": ", 1)[1])
+        if kind == "repeat_backward":   # the trail names the extra backward
+            assert "engine backward" in per_rank[0][case][2], per_rank[0][case]
+        if not voted:
+            continue
+        assert len(set(messages)) == 1, (case, messages)   # every rank names the same
+        assert f"rank 1: backward 2 of micro-step {bad}" in messages[0], messages[0]
+        peer = (f"the update at micro-step {bad}, after 1 backward(s)" if ga == 1
+                else f"backward 1 of micro-step {bad + 1}")
+        for other in set(range(world)) - {1}:
+            assert f"rank {other}: {peer}" in messages[0], messages[0]
 
 
 CHAOS_STEPS = {2: 50, 3: 25}   # per stage: 200 steps on 2 ranks, 100 on 3

@@ -171,10 +171,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
         accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
         moved_states.refuse_while_away(self._moved, "backward()")
+        self.comm.ledger.trail.note("backward", None, "engine backward")   # comm/trail.py
         if self._drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
             self.zero_grad()
-        if self.stage.reduces_every_micro_step:
-            self._agree_on_window("backward")   # unmanaged mode (Note in accumulation.py)
+        self._agree_on_window("backward")   # before it reduces (Notes in accumulation.py)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
                                   local=self.inside_no_sync_ctxt)
         return 1.0 / self.gradient_accumulation_steps()
@@ -196,6 +196,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.stage.finish_backward()
         self._backward_in_window = True
         self._window_backwards += 1
+        self._micro_backwards += 1   # Note "backwards that reduce" in accumulation.py
         self._updated_by = None
         local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
         if local or boundary:   # a boundary backward outside no_sync reduces them all
@@ -248,6 +249,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             self.tput_timer.start()
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
+        self._micro_backwards = 0
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
@@ -272,7 +274,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         it: reduce what is left, unscale and clip, check overflow, update, clear the
         gradients, adjust the fp16 loss scale. ``engine.step()`` at a boundary and a
         direct ``optimizer.step()`` (engine/optimizer_views.py) both run it."""
-        self._agree_on_window("update")   # unmanaged, before what one rank alone may refuse
+        self._agree_on_window("update")   # before what one rank alone may refuse
         if not self._backward_in_window:
             taken = (f"; {self._updated_by} already took this window's update: call one of "
                      "engine.step() and optimizer.step() per window, not both"
@@ -298,14 +300,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             except UnusedParameterError:
                 self.stage.zero_grad()
                 self._backward_in_window = False
-                self._window_backwards = 0
+                self._window_backwards = self._micro_backwards = 0
                 raise
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
         self._last_outcome = outcome
         self._step_applied = outcome.applied
         self._backward_in_window = False
-        self._window_backwards = 0
+        self._window_backwards = self._micro_backwards = 0
         self._updated_by = call
         self.loss_scaler.update(overflow=not outcome.applied)
         return outcome
@@ -388,7 +390,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._local_backwards = 0
         self._last_outcome = None
         self._step_applied = False
-        self._window_backwards = 0
+        self._window_backwards = self._micro_backwards = 0
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 

@@ -171,7 +171,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
         accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
         moved_states.refuse_while_away(self._moved, "backward()")
-        self.comm.ledger.trail.note("backward", None, "engine backward")   # comm/trail.py
+        if not self.stage.partitions_parameters:   # stage 3 notes each unit backward uses
+            self.comm.ledger.trail.note("backward", None, "engine backward")   # comm/trail.py
         if self._drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
             self.zero_grad()
         self._agree_on_window("backward")   # before it reduces (Notes in accumulation.py)

@@ -227,16 +227,33 @@ def _extra_backwards(rank, world):
     from zerotrain.comm.setup import group_timeout, set_group_timeout
     saved = group_timeout()   # the pool's ranks run later tests with their own timeout
     try:
-        return {case: _inject(rank, world, case[0], case[1], bad_step=case[3], ga=case[2],
-                              steps=case[3] + 2, comms_timeout=SHORT_TIMEOUT_S)
-                for case in EXTRA if world == 2 or case[0] == 2}
+        out = {case: _inject(rank, world, case[0], case[1], bad_step=case[3], ga=case[2],
+                             steps=case[3] + 2, comms_timeout=SHORT_TIMEOUT_S)
+               for case in EXTRA if world == 2 or case[0] == 2}
     finally:
         set_group_timeout(saved)
+    return out, _votes_per_step(rank, True), _votes_per_step(rank, False)
+
+
+def _votes_per_step(rank, votes):
+    """All-reduces in one stage-2 step (ga=1) with ``backward_votes`` on or off."""
+    import zerotrain
+    model = M.make_model(2)
+    engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(
+        stage=2, backward_votes=votes))
+    engine.comm.ledger.reset()
+    _train(engine, model, rank, steps=1, keep_open=True)
+    engine.close()
+    return engine.comm.ledger.calls["all_reduce"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_extra_backward_on_one_rank_is_caught_on_every_rank(worlds, world):
-    per_rank = worlds.run(world, _extra_backwards)
+    results = worlds.run(world, _extra_backwards)
+    per_rank = [out for out, *_ in results]
+    # the norm's all-reduce, and the votes before the backward and the update unless
+    # "backward_votes": false
+    assert all(voted == 3 and unvoted == 1 for _, voted, unvoted in results), results
     assert len(per_rank[0]) == (len(EXTRA) if world == 2 else 4)
     for case in per_rank[0]:
         stage, kind, ga, bad = case

@@ -77,6 +77,8 @@ Note: backwards that reduce
     above) and a world of one. Cost per vote: one all-reduce of six int64 and one host
     wait; per window, one for each reducing backward (``gradient_accumulation_steps`` at
     stage 2, one at stages 0-1) and one for the update (figures in docs/divergence.md).
+    ``"backward_votes": false`` (zerotrain's key) turns these votes off, for a script known
+    to run the same backwards on every rank; unmanaged accumulation votes regardless.
 """
 from __future__ import annotations
 
@@ -144,8 +146,8 @@ class EngineAccumulation:
                     "rank must run the same number of backwards before each step(), and they "
                     f"did not ({_describe(seen, _unmanaged)})")
             return
-        if not (update or self._backward_reduces()):
-            return
+        if not self.config.backward_votes or not (update or self._backward_reduces()):
+            return   # switched off: a rank's extra backward then aborts or hangs
         seen = disagreement(self.comm, (update, self.micro_steps, self._micro_backwards),
                             label=f"backward vote: {event}")
         if seen is not None:

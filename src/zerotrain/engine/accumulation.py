@@ -85,7 +85,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
-from ..comm.agreement import disagreement
+from ..comm.agreement import vote
 from ..errors import AccumulationModeError, ContextMisuseError, RankDivergenceError
 
 
@@ -138,27 +138,45 @@ class EngineAccumulation:
         if not self.managed_gradient_accumulation():
             if not (update or self.stage.reduces_every_micro_step):
                 return
-            seen = disagreement(self.comm, (update, self._window_backwards),
-                                label=f"unmanaged accumulation: {event}")
-            if seen is not None:
-                raise RankDivergenceError(
-                    f"rank {self.comm.rank}: with managed_gradient_accumulation=False every "
-                    "rank must run the same number of backwards before each step(), and they "
-                    f"did not ({_describe(seen, _unmanaged)})")
+            vote(self.comm, (update, self._window_backwards),
+                 label=f"unmanaged accumulation: {event}", refuse=self._unmanaged_refusal)
             return
         if not self.config.backward_votes or not (update or self._backward_reduces()):
             return   # switched off: a rank's extra backward then aborts or hangs
-        seen = disagreement(self.comm, (update, self.micro_steps, self._micro_backwards),
-                            label=f"backward vote: {event}")
-        if seen is not None:
-            raise RankDivergenceError(
-                f"rank {self.comm.rank}: the ranks ran different backwards "
-                f"({_describe(seen, _managed)}). Every rank must run the same backwards in "
-                "each micro-step: a backward that reduces gradients over ranks (every one at "
-                "ZeRO stage 2, the one ending the accumulation window at stages 0 and 1) "
-                "meets the same backward on every other rank. A loss computed on some ranks "
-                "only (an auxiliary loss, a retried backward) is the usual cause; see "
-                "docs/divergence.md")
+        # a second backward in a micro-step is read at once: the stage may refuse it in its
+        # first gradient's hook, where no launch would read the vote first (Note "deferred
+        # verdicts" in comm/agreement.py); one backward per micro-step pays no wait
+        vote(self.comm, (update, self.micro_steps, self._micro_backwards),
+             label=f"backward vote: {event}", refuse=self._backward_refusal,
+             deferred=update or not self._micro_backwards)
+
+    def _unmanaged_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
+        return RankDivergenceError(
+            f"rank {self.comm.rank}: with managed_gradient_accumulation=False every rank must "
+            "run the same number of backwards before each step(), and they did not "
+            f"({_describe(seen, _unmanaged)})")
+
+    def _backward_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
+        return RankDivergenceError(
+            f"rank {self.comm.rank}: the ranks ran different backwards "
+            f"({_describe(seen, _managed)}). Every rank must run the same backwards in "
+            "each micro-step: a backward that reduces gradients over ranks (every one at "
+            "ZeRO stage 2, the one ending the accumulation window at stages 0 and 1) "
+            "meets the same backward on every other rank. A loss computed on some ranks "
+            "only (an auxiliary loss, a retried backward) is the usual cause; see "
+            "docs/divergence.md")
+
+    @contextlib.contextmanager
+    def _votes_first(self) -> Iterator[None]:
+        """An error raised here, after a vote and before the launch that would read it,
+        reads the vote first: where the ranks disagree, its verdict is the error every rank
+        raises (the peers wait for this rank's report), not this rank's own (Note "deferred
+        verdicts" in comm/agreement.py)."""
+        try:
+            yield
+        except BaseException:
+            self.comm.read_deferred()
+            raise
 
     def _backward_reduces(self) -> bool:
         """Whether the backward about to run reduces gradients over ranks: every one at

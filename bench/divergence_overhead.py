@@ -6,7 +6,9 @@ hits them alike: "checked" (as shipped), "unchecked" (the checks patched out: no
 launch plan, reductions unheld, the collective trail notes nothing, no votes), "headers" (the
 checks without launch plans: a header before every stage-3 launch, as before plans) and
 "unvoted" (as shipped but for the votes before a reducing backward and an update at stages
-0-2, Note "backwards that reduce" in engine/accumulation.py: checked / unvoted is their cost). Each
+0-2, Note "backwards that reduce" in engine/accumulation.py: checked / unvoted is their cost),
+"synchronous" (as shipped but each vote read at once, as votes were before their verdicts
+were deferred, Note "deferred verdicts" in comm/agreement.py: synchronous / unvoted). Each
 width gets its own engine. Reported: median step times, and the median over the run of
 each checked (headers) step's time over the unchecked step's right after it, in wall time
 and in the training thread's CPU time (which load on the machine disturbs less: what the
@@ -61,11 +63,10 @@ def _patches():
             (H, "before_gather", H.before_gather, before_gather),
             (H, "before_step", H.before_step, before_step),
             (H, "reduce_scatter", H.reduce_scatter, reduce_scatter),
-            (accumulation, "disagreement", accumulation.disagreement,
-             lambda *a, **k: None)]
+            (accumulation, "vote", accumulation.vote, lambda *a, **k: None)]
 
 
-MODES = ("checked", "unchecked", "headers", "unvoted")   # one step each, in turn
+MODES = ("checked", "unchecked", "headers", "unvoted", "synchronous")   # a step each, in turn
 
 
 class _Stopwatch:
@@ -119,6 +120,8 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage, ga=1):
                         (plan_mod.LaunchPlan, "end_cycle")):
         stopwatch.wrap(owner, name)
     patches = _patches()
+    from zerotrain.comm import Communicator
+    defer = Communicator.defer
     results = {}
     for width in widths:
         model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
@@ -144,6 +147,8 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage, ga=1):
             for k, (owner, name, checked, unchecked) in enumerate(patches):
                 off = mode == "unchecked" or (mode == "unvoted" and k == len(patches) - 1)
                 setattr(owner, name, unchecked if off else checked)
+            Communicator.defer = ((lambda self, read: read()) if mode == "synchronous"
+                                  else defer)
             if host is not None:   # "headers": the checks without launch plans
                 host.plan = None if mode == "headers" else plan
             ledger.reset()
@@ -161,14 +166,16 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage, ga=1):
                 snaps.setdefault(mode, ledger.snapshot())
         for owner, name, checked, _ in patches:
             setattr(owner, name, checked)
+        Communicator.defer = defer
         engine.close()
         medians = {m: statistics.median(t) for m, t in times.items()}
         # each checked step over the unchecked one right after it: load that drifts over
         # the run hits both sides of a pair alike
         medians["inside"] = statistics.median(inside["checked"])
         medians["unchecked cpu"] = statistics.median(cpus["unchecked"])
-        medians["voted pairs"] = statistics.median(   # the votes alone
-            c / u for c, u in zip(times["checked"], times["unvoted"]))
+        for mode in ("checked", "synchronous"):   # the votes alone, deferred or not
+            medians[f"{mode} voted pairs"] = statistics.median(
+                c / u for c, u in zip(times[mode], times["unvoted"]))
         for mode in ("checked", "headers"):
             medians[f"{mode} pairs"] = statistics.median(
                 c / u for c, u in zip(times[mode], times["unchecked"]))
@@ -196,8 +203,9 @@ def main() -> None:
           "header launches, check bytes per step | headers only, no plan | "
           "headers / unchecked (median of pairs) | training thread CPU: checked / "
           "unchecked, headers / unchecked | checks' own code per checked step | "
-          "checked / unvoted (median of pairs) | vote launches per step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "checked / unvoted (median of pairs) | synchronous votes / unvoted | "
+          "vote launches per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.stages:
         per_width, *_ = run_world(_bench, args.world, args.blocks, args.widths, args.steps,
                                   args.warmup, stage, args.ga, timeout=3600)
@@ -211,7 +219,9 @@ def main() -> None:
                   f"{times['checked cpu']:.3f}, {times['headers cpu']:.3f} | "
                   f"{times['inside'] * 1e6:.0f} us "
                   f"({100 * times['inside'] / times['unchecked cpu']:.2f}% of the unchecked step's "
-                  f"CPU) | {times['voted pairs']:.3f} | {calls['checked'] - calls['unvoted']} |")
+                  f"CPU) | {times['checked voted pairs']:.3f} | "
+                  f"{times['synchronous voted pairs']:.3f} | "
+                  f"{calls['checked'] - calls['unvoted']} |")
 
 
 if __name__ == "__main__":

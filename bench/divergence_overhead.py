@@ -20,6 +20,7 @@ each mode after it.
 
     PYTHONPATH=src python bench/divergence_overhead.py --world 2 --widths 256 512 1024
     PYTHONPATH=src python bench/divergence_overhead.py --stages 2 1 --widths 64 256 --ga 1
+    PYTHONPATH=src python bench/divergence_overhead.py --round-trip   # one vote alone
 """
 from __future__ import annotations
 
@@ -185,6 +186,27 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage, ga=1):
     return results
 
 
+def _round_trip(rank, world, n=500, warmup=50):
+    """Microseconds per lone all-reduce of a vote's six int64, launched and read at once,
+    and launched asynchronously then waited for."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    wire, out = torch.zeros(6, dtype=torch.int64), {}
+    for mode in ("synchronous", "asynchronous, waited at once"):
+        for _ in range(warmup):
+            dist.all_reduce(wire)
+        start = time.perf_counter()
+        for _ in range(n):
+            if mode == "synchronous":
+                dist.all_reduce(wire)
+            else:
+                dist.all_reduce(wire, async_op=True).wait()
+            wire.tolist()
+        out[mode] = (time.perf_counter() - start) / n * 1e6
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
@@ -194,7 +216,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps per mode")
     parser.add_argument("--stages", type=int, nargs="+", default=[3])
     parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--round-trip", action="store_true",
+                        help="time a lone vote-sized all-reduce instead")
     args = parser.parse_args()
+    if args.round_trip:
+        times = run_world(_round_trip, args.world, timeout=600)[0]
+        print(f"{args.world} ranks (gloo), one all-reduce of 6 int64, load average "
+              f"{os.getloadavg()[0]:.1f}: " + ", ".join(f"{m} {t:.0f} us"
+                                                       for m, t in times.items()))
+        return
     print(f"{args.world} ranks (gloo), {args.blocks} blocks of Linear(w, w) + Tanh, batch 16, "
           f"gradient_accumulation_steps {args.ga}, "
           f"{args.steps} timed steps per mode, alternating; load average "

@@ -49,8 +49,8 @@ Note: unmanaged accumulation
     votes" in ``comm/agreement.py``: each rank's event, a backward or an update, and its
     backwards so far in the window), before each update and, at stage 2, before each
     backward, and every rank raises RankDivergenceError naming what each rank was doing.
-    The cost: that all-reduce and a host synchronisation per update, and per backward at
-    stage 2. Stage 3 needs none: every forward gathers units and every step sends a
+    The cost: that all-reduce per update, and per backward at stage 2, its verdict read at
+    the next launch (Note "deferred verdicts" in ``comm/agreement.py``). Stage 3 needs none: every forward gathers units and every step sends a
     header, which already stop every rank at the first difference (Note "held
     reductions" in ``zero3/gather_check.py``), and a vote of its own would meet a peer's
     gather there instead.
@@ -74,9 +74,14 @@ Note: backwards that reduce
     no collective is left waiting. Not voted: backwards that only accumulate on the rank
     (stages 0-1 inside the window, ``no_sync``, a block that keeps them local: the step's
     fingerprint, which notes every backward, catches an extra one there), stage 3 (as
-    above) and a world of one. Cost per vote: one all-reduce of six int64 and one host
-    wait; per window, one for each reducing backward (``gradient_accumulation_steps`` at
-    stage 2, one at stages 0-1) and one for the update (figures in docs/divergence.md).
+    above) and a world of one. Each vote is read where the rank next launches a collective
+    (Note "deferred verdicts" in ``comm/agreement.py``); an error of this rank's own in
+    between (a refusal in ``begin_backward`` or in ``_update``, a failed
+    ``engine.backward``) reads it first, and a second backward in a micro-step, which the
+    stage may refuse inside its first gradient's hook, reads its vote at once. Cost per
+    vote: one asynchronous all-reduce of six int64; per window, one for each reducing
+    backward (``gradient_accumulation_steps`` at stage 2, one at stages 0-1) and one for
+    the update (figures in docs/divergence.md).
     ``"backward_votes": false`` (zerotrain's key) turns these votes off, for a script known
     to run the same backwards on every rank; unmanaged accumulation votes regardless.
 """

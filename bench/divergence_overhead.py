@@ -1,10 +1,14 @@
 """What the divergence checks cost on the CPU (gloo): step time with and without them, and
 the bytes they add per gather and per step (docs/BENCHMARKS.md, "Divergence checks").
 
-Three modes take turns step by step in the same processes, so load on the shared machine
+Four modes take turns step by step in the same processes, so load on the shared machine
 hits them alike: "checked" (as shipped), "unchecked" (the checks patched out: no header, no
-launch plan, reductions unheld, the collective trail notes nothing) and "headers" (the
-checks without launch plans: a header before every stage-3 launch, as before plans). Each
+launch plan, reductions unheld, the collective trail notes nothing, no votes), "headers" (the
+checks without launch plans: a header before every stage-3 launch, as before plans) and
+"unvoted" (as shipped but for the votes before a reducing backward and an update at stages
+0-2, Note "backwards that reduce" in engine/accumulation.py: checked / unvoted is their cost),
+"synchronous" (as shipped but each vote read at once, as votes were before their verdicts
+were deferred, Note "deferred verdicts" in comm/agreement.py: synchronous / unvoted). Each
 width gets its own engine. Reported: median step times, and the median over the run of
 each checked (headers) step's time over the unchecked step's right after it, in wall time
 and in the training thread's CPU time (which load on the machine disturbs less: what the
@@ -15,6 +19,8 @@ on a plan, zero3/plan.py); the extra launches and check bytes are counted in one
 each mode after it.
 
     PYTHONPATH=src python bench/divergence_overhead.py --world 2 --widths 256 512 1024
+    PYTHONPATH=src python bench/divergence_overhead.py --stages 2 1 --widths 64 256 --ga 1
+    PYTHONPATH=src python bench/divergence_overhead.py --round-trip   # one vote alone
 """
 from __future__ import annotations
 
@@ -31,8 +37,10 @@ from distributed import run_world  # noqa: E402
 
 
 def _patches():
-    """(module, name, checked, unchecked) for every check, so a mode is a set of assignments."""
+    """(module, name, checked, unchecked) for every check, so a mode is a set of assignments;
+    the votes' patch comes last (mode "unvoted" applies only that one)."""
     from zerotrain.comm import trail as trail_mod
+    from zerotrain.engine import accumulation
     from zerotrain.stages.zero3 import gather_check
 
     def before_gather(self, unit_index, *, dtype, label):
@@ -55,10 +63,11 @@ def _patches():
              lambda *a: None),
             (H, "before_gather", H.before_gather, before_gather),
             (H, "before_step", H.before_step, before_step),
-            (H, "reduce_scatter", H.reduce_scatter, reduce_scatter)]
+            (H, "reduce_scatter", H.reduce_scatter, reduce_scatter),
+            (accumulation, "vote", accumulation.vote, lambda *a, **k: None)]
 
 
-MODES = ("checked", "unchecked", "headers")   # one step each, in turn
+MODES = ("checked", "unchecked", "headers", "unvoted", "synchronous")   # a step each, in turn
 
 
 class _Stopwatch:
@@ -97,7 +106,7 @@ class _Stopwatch:
         return min(inside, total) / n
 
 
-def _bench(rank, world, blocks, widths, steps, warmup, stage):
+def _bench(rank, world, blocks, widths, steps, warmup, stage, ga=1):
     import torch
     from torch import nn
 
@@ -112,11 +121,14 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
                         (plan_mod.LaunchPlan, "end_cycle")):
         stopwatch.wrap(owner, name)
     patches = _patches()
+    from zerotrain.comm import Communicator
+    defer = Communicator.defer
     results = {}
     for width in widths:
         model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
                                 for _ in range(blocks)])
         config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10 ** 6,
+                  "gradient_accumulation_steps": ga,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                   "zero_optimization": {"stage": stage,
                                         "stage3_param_persistence_threshold": 0,
@@ -133,16 +145,20 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
         plan = getattr(host, "plan", None)
         for step in range(len(MODES) * (steps + warmup)):
             mode = MODES[step % len(MODES)]
-            for owner, name, checked, unchecked in patches:
-                setattr(owner, name, unchecked if mode == "unchecked" else checked)
+            for k, (owner, name, checked, unchecked) in enumerate(patches):
+                off = mode == "unchecked" or (mode == "unvoted" and k == len(patches) - 1)
+                setattr(owner, name, unchecked if off else checked)
+            Communicator.defer = ((lambda self, read: read()) if mode == "synchronous"
+                                  else defer)
             if host is not None:   # "headers": the checks without launch plans
                 host.plan = None if mode == "headers" else plan
             ledger.reset()
             stopwatch.seconds, stopwatch.calls = 0.0, 0
             start, cpu = time.perf_counter(), time.thread_time()
-            loss = engine(x).square().mean()
-            engine.backward(loss)
-            engine.step()
+            for _ in range(ga):   # a step: ga micro-steps
+                loss = engine(x).square().mean()
+                engine.backward(loss)
+                engine.step()
             elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
             if step >= len(MODES) * warmup:
                 times[mode].append(elapsed)
@@ -151,12 +167,16 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
                 snaps.setdefault(mode, ledger.snapshot())
         for owner, name, checked, _ in patches:
             setattr(owner, name, checked)
+        Communicator.defer = defer
         engine.close()
         medians = {m: statistics.median(t) for m, t in times.items()}
         # each checked step over the unchecked one right after it: load that drifts over
         # the run hits both sides of a pair alike
         medians["inside"] = statistics.median(inside["checked"])
         medians["unchecked cpu"] = statistics.median(cpus["unchecked"])
+        for mode in ("checked", "synchronous"):   # the votes alone, deferred or not
+            medians[f"{mode} voted pairs"] = statistics.median(
+                c / u for c, u in zip(times[mode], times["unvoted"]))
         for mode in ("checked", "headers"):
             medians[f"{mode} pairs"] = statistics.median(
                 c / u for c, u in zip(times[mode], times["unchecked"]))
@@ -164,6 +184,27 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage):
                 c / u for c, u in zip(cpus[mode], cpus["unchecked"]))
         results[width] = (medians, snaps)
     return results
+
+
+def _round_trip(rank, world, n=500, warmup=50):
+    """Microseconds per lone all-reduce of a vote's six int64, launched and read at once,
+    and launched asynchronously then waited for."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    wire, out = torch.zeros(6, dtype=torch.int64), {}
+    for mode in ("synchronous", "asynchronous, waited at once"):
+        for _ in range(warmup):
+            dist.all_reduce(wire)
+        start = time.perf_counter()
+        for _ in range(n):
+            if mode == "synchronous":
+                dist.all_reduce(wire)
+            else:
+                dist.all_reduce(wire, async_op=True).wait()
+            wire.tolist()
+        out[mode] = (time.perf_counter() - start) / n * 1e6
+    return out
 
 
 def main() -> None:
@@ -174,18 +215,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps per mode")
     parser.add_argument("--stages", type=int, nargs="+", default=[3])
+    parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--round-trip", action="store_true",
+                        help="time a lone vote-sized all-reduce instead")
     args = parser.parse_args()
+    if args.round_trip:
+        times = run_world(_round_trip, args.world, timeout=600)[0]
+        print(f"{args.world} ranks (gloo), one all-reduce of 6 int64, load average "
+              f"{os.getloadavg()[0]:.1f}: " + ", ".join(f"{m} {t:.0f} us"
+                                                       for m, t in times.items()))
+        return
     print(f"{args.world} ranks (gloo), {args.blocks} blocks of Linear(w, w) + Tanh, batch 16, "
+          f"gradient_accumulation_steps {args.ga}, "
           f"{args.steps} timed steps per mode, alternating; load average "
           f"{os.getloadavg()[0]:.1f}")
     print("| stage | width | unchecked | checked | checked / unchecked (median of pairs) | "
           "header launches, check bytes per step | headers only, no plan | "
           "headers / unchecked (median of pairs) | training thread CPU: checked / "
-          "unchecked, headers / unchecked | checks' own code per checked step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "unchecked, headers / unchecked | checks' own code per checked step | "
+          "checked / unvoted (median of pairs) | synchronous votes / unvoted | "
+          "vote launches per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.stages:
         per_width, *_ = run_world(_bench, args.world, args.blocks, args.widths, args.steps,
-                                  args.warmup, stage, timeout=3600)
+                                  args.warmup, stage, args.ga, timeout=3600)
         for width, (times, snaps) in per_width.items():
             calls = {m: sum(s["calls"].values()) for m, s in snaps.items()}
             check = snaps["checked"]["bytes"].get("divergence_check", 0)
@@ -196,7 +249,9 @@ def main() -> None:
                   f"{times['checked cpu']:.3f}, {times['headers cpu']:.3f} | "
                   f"{times['inside'] * 1e6:.0f} us "
                   f"({100 * times['inside'] / times['unchecked cpu']:.2f}% of the unchecked step's "
-                  "CPU) |")
+                  f"CPU) | {times['checked voted pairs']:.3f} | "
+                  f"{times['synchronous voted pairs']:.3f} | "
+                  f"{calls['checked'] - calls['unvoted']} |")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures",),
              ("communicator",),
-             ("deepspeed_api", "hierarchy", "mesh"), ("__init__",)),
+             ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
     "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",

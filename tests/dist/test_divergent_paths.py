@@ -20,13 +20,13 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-def _engine(stage, *, leaf, n_experts=2, comms_timeout=None, **zero):
+def _engine(stage, *, leaf, n_experts=2, comms_timeout=None, ga=1, **zero):
     import zerotrain
     from zerotrain.utils import set_z3_leaf_modules
     model = M.make_model(n_experts)
     if leaf:
         set_z3_leaf_modules(model, [M.Experts])
-    config = R.engine_config(stage=stage)
+    config = R.engine_config(stage=stage, ga=ga)
     if comms_timeout is not None:
         config["comms_timeout"] = comms_timeout
     config["zero_optimization"].update(zero)
@@ -93,7 +93,8 @@ class _Raise(torch.autograd.Function):
 
 
 def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra):
-    """Train 3 steps; at ``bad_step`` rank 1 diverges as ``kind`` says. Returns
+    """Train 3 steps (micro-steps, with ``ga`` in ``extra``); at ``bad_step`` rank 1
+    diverges as ``kind`` says. Returns
     (step reached, error name, message) of the first error; appends to ``planned``
     whether stage 3's launches followed a plan at ``bad_step`` (zero3/plan.py)."""
     engine, model = _engine(stage, leaf=stage == 3, n_experts=2, **extra)
@@ -120,13 +121,19 @@ def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra
                     with engine.coalesce_grad_reduction() if held else contextlib.nullcontext():
                         engine.backward(loss)
                         engine.backward(engine(x, route, y))
-                else:
-                    engine.backward(loss)
+                else:   # "repeat_backward": the same loss twice on one rank
+                    engine.backward(loss, retain_graph=bad and kind == "repeat_backward")
+                    if bad and kind == "repeat_backward":
+                        engine.backward(loss)
             except RuntimeError as exc:
                 if "injected" not in str(exc):
                     raise
             if bad and kind == "late_forward":
                 engine(x, route, y)   # after backward, before the step
+            if bad and kind == "extra_backward":   # e.g. an auxiliary loss on one rank
+                engine.backward(engine(x, route, y))
+            if bad and kind == "extra_direct_backward":
+                engine(x, route, y).backward()
             engine.step()
         return (step, None, None)
     except Exception as exc:   # noqa: BLE001 - the error is the result
@@ -219,6 +226,84 @@ def test_divergence_after_the_trace_exists_is_caught_at_once_on_every_rank(world
     held = per_rank[0][("coalesce", "planned")][2]
     assert "reduce_scatter of" in held and "rank 1: forward" in held, held
     assert all(out["coalesce_all"] == (PLANNED_STEP + 1, None, None) for out in per_rank)
+
+
+# A rank that runs one more backward than its peers (Note "backwards that reduce" in
+# engine/accumulation.py). Where that backward reduces (every one at stage 2, the window's
+# last at stages 0-1) its reductions met the peers' next collectives: gloo aborted the
+# process or a rank stopped alone while the others waited (on NCCL a hang); now every rank
+# votes before such a backward and before each update. (stage, kind, ga, bad micro-step):
+# at ga=1 the extra backward meets the peers' update, at ga=2's micro-step 2 (mid-window)
+# their next backward at stage 2; mid-window at stage 1 it only accumulates, and the
+# step's fingerprint (which notes every backward) catches it, as stage 3's checks do.
+EXTRA = [(0, "extra_backward", 1, 1), (1, "extra_backward", 1, 1),
+         (1, "repeat_backward", 2, 2), (3, "extra_backward", 1, 1),
+         (2, "extra_backward", 1, 1), (2, "extra_backward", 2, 2),
+         (2, "extra_direct_backward", 1, 1), (2, "extra_direct_backward", 2, 2),
+         (1, "extra_direct_backward", 1, 1)]
+
+
+def _extra_backwards(rank, world):
+    from zerotrain.comm.setup import group_timeout, set_group_timeout
+    saved = group_timeout()   # the pool's ranks run later tests with their own timeout
+    try:
+        out = {case: _inject(rank, world, case[0], case[1], bad_step=case[3], ga=case[2],
+                             steps=case[3] + 2, comms_timeout=SHORT_TIMEOUT_S)
+               for case in EXTRA if world == 2 or case[0] == 2}
+    finally:
+        set_group_timeout(saved)
+    return out, _votes_per_step(rank, True), _votes_per_step(rank, False)
+
+
+def _votes_per_step(rank, votes):
+    """All-reduces in one stage-2 step (ga=1) with ``backward_votes`` on or off, and the
+    verdicts left to be read at the next launch (Note "deferred verdicts" in
+    comm/agreement.py), each with whether its vote was still unread then."""
+    import zerotrain
+    model = M.make_model(2)
+    engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(
+        stage=2, backward_votes=votes))
+    engine.comm.ledger.reset()
+    deferred, defer = [], engine.comm.defer
+    engine.comm.defer = lambda read: (deferred.append(read), defer(read))
+    _train(engine, model, rank, steps=1, keep_open=True)
+    engine.close()
+    return engine.comm.ledger.calls["all_reduce"], len(deferred)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_extra_backward_on_one_rank_is_caught_on_every_rank(worlds, world):
+    results = worlds.run(world, _extra_backwards)
+    per_rank = [out for out, *_ in results]
+    # the norm's all-reduce, and the votes before the backward and the update unless
+    # "backward_votes": false, both read at the rank's next launch, not at once
+    assert all(voted == (3, 2) and unvoted == (1, 0) for _, voted, unvoted in results), results
+    assert len(per_rank[0]) == (len(EXTRA) if world == 2 else 4)
+    for case in per_rank[0]:
+        stage, kind, ga, bad = case
+        voted = stage < 3 and (stage == 2 or ga == 1)   # the extra backward reduces
+        messages = []
+        for rank in range(world):
+            step, name, message = per_rank[rank][case]
+            assert name == "RankDivergenceError", (case, rank, name, message)
+            assert f"rank {rank}:" in message, message
+            if not voted:   # caught at the step (fingerprint) or a stage-3 gather
+                assert step in (bad, bad + 1), (case, rank, step, message)
+                continue
+            # at the vote before the extra backward; the peers at their update (ga=1) or
+            # at their next micro-step's backward (ga=2, mid-window)
+            assert step == (bad if rank == 1 or ga == 1 else bad + 1), (case, rank, step)
+            messages.append(message.split(": ", 1)[1])
+        if kind == "repeat_backward":   # the trail names the extra backward
+            assert "engine backward" in per_rank[0][case][2], per_rank[0][case]
+        if not voted:
+            continue
+        assert len(set(messages)) == 1, (case, messages)   # every rank names the same
+        assert f"rank 1: backward 2 of micro-step {bad}" in messages[0], messages[0]
+        peer = (f"the update at micro-step {bad}, after 1 backward(s)" if ga == 1
+                else f"backward 1 of micro-step {bad + 1}")
+        for other in set(range(world)) - {1}:
+            assert f"rank {other}: {peer}" in messages[0], messages[0]
 
 
 CHAOS_STEPS = {2: 50, 3: 25}   # per stage: 200 steps on 2 ranks, 100 on 3

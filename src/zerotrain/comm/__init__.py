@@ -18,7 +18,9 @@ One module per job, lowest first:
 * ``communicator``: :class:`Communicator`, the one place zerotrain's own collectives are
   launched (Notes: collective devices, coalesced gathers);
 * ``deepspeed_api``: DeepSpeed's ``deepspeed.comm`` functions (``get_rank``,
-  ``all_reduce``...) for scripts that call them directly.
+  ``all_reduce``...) for scripts that call them directly;
+* ``agreement``: the vote by which ranks agree on where they are before a backward that
+  reduces, or an update (Note: position votes).
 
 Every name is importable from ``zerotrain.comm`` itself, as ``deepspeed.comm`` is.
 """

@@ -95,7 +95,8 @@ class Communicator:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, debug: bool = False,
                  topology: Optional[Topology] = None,
-                 ledger: Optional[CommLedger] = None) -> None:
+                 ledger: Optional[CommLedger] = None,
+                 unread: Optional[list[Callable[[], None]]] = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -110,6 +111,9 @@ class Communicator:
                                                          dist.get_world_size())
         self.reach = "cross_node" if self.topology.spans_nodes(self.ranks) else "intra_node"
         self._coalesce = True   # until the backend refuses (Note: coalesced gathers)
+        # verdicts to read before the next launch, shared with the communicators made from
+        # this one (Note "deferred verdicts" in agreement.py)
+        self._unread: list[Callable[[], None]] = [] if unread is None else unread
 
     # ------------------------------------------------------------------ topology
     def discover_topology(self) -> Topology:
@@ -126,7 +130,7 @@ class Communicator:
     def with_topology(self, topology: Topology) -> "Communicator":
         """This group again, its bytes classified by ``topology``, into the same ledger."""
         return Communicator(self.group, debug=self.debug, topology=topology,
-                            ledger=self.ledger)
+                            ledger=self.ledger, unread=self._unread)
 
     def subgroup(self, partition: Sequence[Sequence[int]]) -> "Communicator":
         """The group of ``partition`` (global rank lists) holding this rank, recording into
@@ -141,7 +145,19 @@ class Communicator:
                                                          timeout=group_timeout())
             _SUBGROUPS[key] = group
         return Communicator(group, debug=self.debug, topology=self.topology,
-                            ledger=self.ledger)
+                            ledger=self.ledger, unread=self._unread)
+
+    def defer(self, read: Callable[[], None]) -> None:
+        """Run ``read`` (a vote's verdict, which may raise) just before the next collective
+        this communicator, or one sharing its list, launches (Note "deferred verdicts" in
+        ``agreement.py``)."""
+        self._unread.append(read)
+
+    def read_deferred(self) -> None:
+        """Run what :meth:`defer` holds now, in order; each is taken off first, so that the
+        collectives it runs launch without reading it again."""
+        while self._unread:
+            self._unread.pop(0)()
 
     @property
     def device(self) -> torch.device:
@@ -213,6 +229,8 @@ class Communicator:
         for i, (output, input) in enumerate(zip(outputs, inputs)):
             self._check_world_sized(f"all_gather_into_many output {i}", output, input)
         self.check_devices("all_gather", label, *outputs, *inputs)
+        if self._unread:
+            self.read_deferred()
         failure = _Failure(self, "all_gather", outputs[0] if outputs else None, label,
                            count=len(outputs))
         if self.debug:   # the element count costs a pass over the outputs: debug only
@@ -278,7 +296,9 @@ class Communicator:
     def _call(self, op: str, tensor: Optional[torch.Tensor], label: str, async_op: bool,
               launch):
         """Run a collective; name it in any error (Note: named failures), and with ``debug``
-        log it first."""
+        log it first. A deferred verdict is read first."""
+        if self._unread:
+            self.read_deferred()
         self.ledger.trail.note(op, None if tensor is None else tensor.numel(), label)
         if self.debug:
             logger.debug("%s", _Failure(self, op, tensor, label).what())

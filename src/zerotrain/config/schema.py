@@ -48,6 +48,8 @@ class ZeroTrainConfig(_Section):
     comms_timeout: float = Field(1800.0, gt=0, le=31_536_000, allow_inf_nan=False)  # s
     nonfinite: Literal["raise", "skip"] = "raise"  # bf16/fp32 inf/nan gradients
     debug: bool = False                            # log every collective as launched
+    # a vote before each backward that reduces, and each update (engine/accumulation.py)
+    backward_votes: bool = True
 
     @field_validator("steps_per_print", mode="wrap")
     @classmethod

@@ -45,23 +45,52 @@ Note: unmanaged accumulation
 
     Ranks must run as many backwards before each update: stage 2 reduce-scatters in each
     one, and a rank's extra backward would meet its peers' step (gloo aborts the process;
-    NCCL hangs). So in this mode the ranks agree first, with one all-reduce of four
-    integers (each rank's event, a backward or an update, and its backwards so far in the
-    window, with their squares: equal on every rank exactly when ``world * sum(n^2) ==
-    sum(n)^2``), before each update and, at stage 2, before each backward, and every rank
-    raises RankDivergenceError naming what each rank was doing. The cost: that all-reduce
-    and a host synchronisation per update, and per backward at stage 2. Stage 3 needs none:
-    every forward gathers units and every step sends a header, which already stop every
-    rank at the first difference (Note "held reductions" in ``zero3/gather_check.py``),
-    and a vote of its own would meet a peer's gather there instead.
+    NCCL hangs). So in this mode the ranks agree first, with one vote (Note "position
+    votes" in ``comm/agreement.py``: each rank's event, a backward or an update, and its
+    backwards so far in the window), before each update and, at stage 2, before each
+    backward, and every rank raises RankDivergenceError naming what each rank was doing.
+    The cost: that all-reduce per update, and per backward at stage 2, its verdict read at
+    the next launch (Note "deferred verdicts" in ``comm/agreement.py``). Stage 3 needs none: every forward gathers units and every step sends a
+    header, which already stop every rank at the first difference (Note "held
+    reductions" in ``zero3/gather_check.py``), and a vote of its own would meet a peer's
+    gather there instead.
+
+Note: backwards that reduce
+    The same holds with the engine counting micro-steps. At stage 2 every backward
+    reduce-scatters its gradients as its buckets fill, and at stages 0-1 the backward that
+    ends the accumulation window reduces them (or, without ``overlap_comm``, refuses a
+    second backward before the step): a rank that runs one backward more than its peers (a
+    loss on one rank only) would pair its reductions with the peers' next backward or step,
+    or stop alone, before the step's fingerprint (Note "step fingerprint" in
+    ``comm/trail.py``) could compare (gloo aborts the process; NCCL hangs or sums
+    mismatched buffers). So on more than one rank, at stages 0-2, every backward that will
+    reduce (``engine.backward`` or a direct ``loss.backward()``: both start with the
+    engine's prologue, before the first gradient exists) and every update is voted on
+    first (Note "position votes" in ``comm/agreement.py``): (backward or update,
+    ``micro_steps``, backwards so far in this micro-step). Both events vote, so a rank at
+    a backward meets a peer at the update in a vote of the same shape, never in a
+    reduction. Where they differ, every rank raises the same RankDivergenceError naming
+    each rank's micro-step and backward, before any mismatched reduction is launched, and
+    no collective is left waiting. Not voted: backwards that only accumulate on the rank
+    (stages 0-1 inside the window, ``no_sync``, a block that keeps them local: the step's
+    fingerprint, which notes every backward, catches an extra one there), stage 3 (as
+    above) and a world of one. Each vote is read where the rank next launches a collective
+    (Note "deferred verdicts" in ``comm/agreement.py``); an error of this rank's own in
+    between (a refusal in ``begin_backward`` or in ``_update``, a failed
+    ``engine.backward``) reads it first, and a second backward in a micro-step, which the
+    stage may refuse inside its first gradient's hook, reads its vote at once. Cost per
+    vote: one asynchronous all-reduce of six int64; per window, one for each reducing
+    backward (``gradient_accumulation_steps`` at stage 2, one at stages 0-1) and one for
+    the update (figures in docs/divergence.md).
+    ``"backward_votes": false`` (zerotrain's key) turns these votes off, for a script known
+    to run the same backwards on every rank; unmanaged accumulation votes regardless.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator, Optional
 
-import torch
-
+from ..comm.agreement import vote
 from ..errors import AccumulationModeError, ContextMisuseError, RankDivergenceError
 
 
@@ -79,6 +108,8 @@ class EngineAccumulation:
     _local_backwards: int
     _in_step = False          # step() is running (the boundary in unmanaged mode)
     _window_backwards = 0     # backwards since the last update (unmanaged global_samples)
+    _micro_backwards = 0      # backwards since the last micro-step's end or update (votes)
+    micro_steps: int
 
     def managed_gradient_accumulation(self) -> bool:
         """DeepSpeed's accessor: False when the caller's ``step()`` ends every accumulation
@@ -102,26 +133,62 @@ class EngineAccumulation:
             self._in_step = False
 
     def _agree_on_window(self, event: str) -> None:
-        """Unmanaged mode: every rank is at the same ``event`` ("backward" or "update") after
-        as many backwards in this window, or every rank raises (Note: unmanaged
-        accumulation). Collective."""
-        comm, n = self.comm, self._window_backwards
-        if (comm.world_size == 1 or not comm.carries_data or self.managed_gradient_accumulation()
-                or self.stage.partitions_parameters):
+        """Every rank is at the same ``event`` ("backward" or "update") at the same place, or
+        every rank raises RankDivergenceError naming what each was doing. Collective where
+        a rank could otherwise start collectives its peers do not (Notes: unmanaged
+        accumulation, backwards that reduce); nothing elsewhere."""
+        if self.stage.partitions_parameters:   # stage 3 checks its own launches
             return
-        vote = torch.tensor([event == "update", 1, n, n * n], dtype=torch.int64,
-                            device=comm.device)
-        comm.all_reduce(vote, label=f"unmanaged accumulation: {event}")
-        updates, world, total, squares = vote.tolist()
-        if updates in (0, world) and world * squares == total * total:
+        update = event == "update"
+        if not self.managed_gradient_accumulation():
+            if not (update or self.stage.reduces_every_micro_step):
+                return
+            vote(self.comm, (update, self._window_backwards),
+                 label=f"unmanaged accumulation: {event}", refuse=self._unmanaged_refusal)
             return
-        seen = comm.all_gather_object((event, n), label="unmanaged accumulation report")
-        what = "; ".join(f"rank {r}: " + (f"an update after {k} backward(s)" if e == "update"
-                                           else f"backward {k + 1}")
-                         for r, (e, k) in enumerate(seen))
-        raise RankDivergenceError(
-            f"rank {comm.rank}: with managed_gradient_accumulation=False every rank must run "
-            f"the same number of backwards before each step(), and they did not ({what})")
+        if not self.config.backward_votes or not (update or self._backward_reduces()):
+            return   # switched off: a rank's extra backward then aborts or hangs
+        # a second backward in a micro-step is read at once: the stage may refuse it in its
+        # first gradient's hook, where no launch would read the vote first (Note "deferred
+        # verdicts" in comm/agreement.py); one backward per micro-step pays no wait
+        vote(self.comm, (update, self.micro_steps, self._micro_backwards),
+             label=f"backward vote: {event}", refuse=self._backward_refusal,
+             deferred=update or not self._micro_backwards)
+
+    def _unmanaged_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
+        return RankDivergenceError(
+            f"rank {self.comm.rank}: with managed_gradient_accumulation=False every rank must "
+            "run the same number of backwards before each step(), and they did not "
+            f"({_describe(seen, _unmanaged)})")
+
+    def _backward_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
+        return RankDivergenceError(
+            f"rank {self.comm.rank}: the ranks ran different backwards "
+            f"({_describe(seen, _managed)}). Every rank must run the same backwards in "
+            "each micro-step: a backward that reduces gradients over ranks (every one at "
+            "ZeRO stage 2, the one ending the accumulation window at stages 0 and 1) "
+            "meets the same backward on every other rank. A loss computed on some ranks "
+            "only (an auxiliary loss, a retried backward) is the usual cause; see "
+            "docs/divergence.md")
+
+    @contextlib.contextmanager
+    def _votes_first(self) -> Iterator[None]:
+        """An error raised here, after a vote and before the launch that would read it,
+        reads the vote first: where the ranks disagree, its verdict is the error every rank
+        raises (the peers wait for this rank's report), not this rank's own (Note "deferred
+        verdicts" in comm/agreement.py)."""
+        try:
+            yield
+        except BaseException:
+            self.comm.read_deferred()
+            raise
+
+    def _backward_reduces(self) -> bool:
+        """Whether the backward about to run reduces gradients over ranks: every one at
+        stage 2, the window's last at stages 0-1, none that a block keeps local (Note:
+        backwards that reduce)."""
+        return not self.inside_no_sync_ctxt and (self.stage.reduces_every_micro_step
+                                                 or self.is_gradient_accumulation_boundary())
 
     def _reduce_window(self) -> None:
         """Unmanaged mode, before the update: reduce what the window's backwards left on
@@ -236,3 +303,18 @@ def _unpatchable_wrapper(optimizer: Any) -> Optional[str]:
     explicit ``grad_accum_dtype`` key zerotrain accumulates in fp32 all the same."""
     kinds = getattr(optimizer, "deepspeed_kinds", ())
     return "BF16_Optimizer" if "BF16_Optimizer" in kinds else None
+
+
+def _describe(seen: list[tuple[int, ...]], what) -> str:
+    """Each rank's place, from its vote's values, in rank order."""
+    return "; ".join(f"rank {r}: {what(*values)}" for r, values in enumerate(seen))
+
+
+def _unmanaged(update: int, backwards: int) -> str:
+    return f"an update after {backwards} backward(s)" if update else f"backward {backwards + 1}"
+
+
+def _managed(update: int, micro_step: int, backwards: int) -> str:
+    if update:
+        return f"the update at micro-step {micro_step}, after {backwards} backward(s) in it"
+    return f"backward {backwards + 1} of micro-step {micro_step}"

@@ -31,6 +31,7 @@ from torch import nn
 
 from .. import checkpoint
 from ..comm import Communicator
+from ..comm.agreement import from_a_vote
 from .compile import Compilation, EngineCompile
 from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
@@ -160,6 +161,9 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 with self._direct.managed():
                     scaled.backward(retain_graph=retain_graph)
             except Exception as exc:   # Note "a failed backward" in comm/trail.py
+                if from_a_vote(exc):   # every rank stopped at the vote: launch nothing more
+                    raise
+                self.comm.read_deferred()   # a vote's verdict before this rank's own error
                 self.comm.ledger.trail.note("backward failed", None, type(exc).__name__)
                 self._backward_epilogue()   # ended as a backward (its gaps as zeros)
                 raise
@@ -171,12 +175,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
         accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
         moved_states.refuse_while_away(self._moved, "backward()")
+        if not self.stage.partitions_parameters:   # stage 3 notes each unit backward uses
+            self.comm.ledger.trail.note("backward", None, "engine backward")   # comm/trail.py
         if self._drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
             self.zero_grad()
-        if self.stage.reduces_every_micro_step:
-            self._agree_on_window("backward")   # unmanaged mode (Note in accumulation.py)
-        self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
-                                  local=self.inside_no_sync_ctxt)
+        self._agree_on_window("backward")   # before it reduces (Notes in accumulation.py)
+        with self._votes_first():   # a refused second backward: the vote's verdict first
+            self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
+                                      local=self.inside_no_sync_ctxt)
         return 1.0 / self.gradient_accumulation_steps()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -196,6 +202,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.stage.finish_backward()
         self._backward_in_window = True
         self._window_backwards += 1
+        self._micro_backwards += 1   # Note "backwards that reduce" in accumulation.py
         self._updated_by = None
         local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
         if local or boundary:   # a boundary backward outside no_sync reduces them all
@@ -248,6 +255,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             self.tput_timer.start()
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
+        self._micro_backwards = 0
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
@@ -272,24 +280,25 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         it: reduce what is left, unscale and clip, check overflow, update, clear the
         gradients, adjust the fp16 loss scale. ``engine.step()`` at a boundary and a
         direct ``optimizer.step()`` (engine/optimizer_views.py) both run it."""
-        self._agree_on_window("update")   # unmanaged, before what one rank alone may refuse
-        if not self._backward_in_window:
-            taken = (f"; {self._updated_by} already took this window's update: call one of "
-                     "engine.step() and optimizer.step() per window, not both"
-                     if self._updated_by not in (None, call) else "")
-            raise StateError(f"{call} reached an accumulation boundary without any "
-                             "engine.backward(loss) or loss.backward() since the last "
-                             f"update{taken}")
-        if not (self.managed_gradient_accumulation() or self.inside_no_sync_ctxt):
-            self._reduce_window()   # the caller's step ends the window (Note in accumulation.py)
-        if self.inside_no_sync_ctxt or self._local_backwards:
-            where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
-                     f"after {self._local_backwards} backward(s) inside engine.no_sync() "
-                     "and none outside it")
-            raise StateError(f"{call} at an accumulation boundary {where}: this "
-                             "window's gradients were not reduced over ranks, so the update "
-                             "would use this rank's alone; run the window's last backward "
-                             "outside no_sync, then step")
+        self._agree_on_window("update")   # before what one rank alone may refuse
+        with self._votes_first():   # this rank's refusals read the vote first
+            if not self._backward_in_window:
+                taken = (f"; {self._updated_by} already took this window's update: call one "
+                         "of engine.step() and optimizer.step() per window, not both"
+                         if self._updated_by not in (None, call) else "")
+                raise StateError(f"{call} reached an accumulation boundary without any "
+                                 "engine.backward(loss) or loss.backward() since the last "
+                                 f"update{taken}")
+            if not (self.managed_gradient_accumulation() or self.inside_no_sync_ctxt):
+                self._reduce_window()   # the caller's step ends the window (accumulation.py)
+            if self.inside_no_sync_ctxt or self._local_backwards:
+                where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
+                         f"after {self._local_backwards} backward(s) inside engine.no_sync() "
+                         "and none outside it")
+                raise StateError(f"{call} at an accumulation boundary {where}: this "
+                                 "window's gradients were not reduced over ranks, so the "
+                                 "update would use this rank's alone; run the window's last "
+                                 "backward outside no_sync, then step")
         self.settle(before_step=True)
         if (not self.config.zero_optimization.ignore_unused_parameters
                 and hasattr(self.stage, "unused_parameters")):
@@ -298,14 +307,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             except UnusedParameterError:
                 self.stage.zero_grad()
                 self._backward_in_window = False
-                self._window_backwards = 0
+                self._window_backwards = self._micro_backwards = 0
                 raise
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
         self._last_outcome = outcome
         self._step_applied = outcome.applied
         self._backward_in_window = False
-        self._window_backwards = 0
+        self._window_backwards = self._micro_backwards = 0
         self._updated_by = call
         self.loss_scaler.update(overflow=not outcome.applied)
         return outcome
@@ -388,7 +397,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._local_backwards = 0
         self._last_outcome = None
         self._step_applied = False
-        self._window_backwards = 0
+        self._window_backwards = self._micro_backwards = 0
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 

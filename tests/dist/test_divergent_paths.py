@@ -140,8 +140,10 @@ def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra
         return (step, type(exc).__name__, str(exc))
 
 
+# (2, "coalesce"): rank 1 holds two backwards in coalesce_grad_reduction(), the others
+# reduce each; its exit's vote meets their first backward's (Note "backwards that reduce")
 CASES = [(0, "extra_forward"), (2, "extra_forward"), (0, "raise"), (2, "raise"),
-         (3, "raise"), (3, "skip")]
+         (3, "raise"), (3, "skip"), (2, "coalesce")]
 BAD_STEP = {"skip": 0}   # here before stage 3 has a trace; the cases below come after
 
 
@@ -158,6 +160,9 @@ def test_injected_divergence_is_caught_on_every_rank_within_its_step(worlds):
             assert name == "RankDivergenceError", (case, rank, name, message)
             assert step == BAD_STEP.get(case[1], 1), (case, rank, step, message)
             assert f"rank {rank}:" in message, message
+    held = per_rank[0][(2, "coalesce")][2]   # the block's exit against a plain backward
+    assert "rank 1: the exit of coalesce_grad_reduction()" in held, held
+    assert "rank 0: backward 1 of micro-step" in held, held
 
 
 # Once stage 3 has a trace, prefetch and reuse leave a rank's backward starting with a

@@ -133,7 +133,8 @@ class EngineAccumulation:
             self._in_step = False
 
     def _agree_on_window(self, event: str) -> None:
-        """Every rank is at the same ``event`` ("backward" or "update") at the same place, or
+        """Every rank is at the same ``event`` ("backward", "update", or "flush": the exit of
+        a stage-2 ``coalesce_grad_reduction()`` block) at the same place, or
         every rank raises RankDivergenceError naming what each was doing. Collective where
         a rank could otherwise start collectives its peers do not (Notes: unmanaged
         accumulation, backwards that reduce); nothing elsewhere."""
@@ -146,14 +147,15 @@ class EngineAccumulation:
             vote(self.comm, (update, self._window_backwards),
                  label=f"unmanaged accumulation: {event}", refuse=self._unmanaged_refusal)
             return
-        if not self.config.backward_votes or not (update or self._backward_reduces()):
+        backward = event == "backward"
+        if not self.config.backward_votes or not (not backward or self._backward_reduces()):
             return   # switched off: a rank's extra backward then aborts or hangs
         # a second backward in a micro-step is read at once: the stage may refuse it in its
         # first gradient's hook, where no launch would read the vote first (Note "deferred
         # verdicts" in comm/agreement.py); one backward per micro-step pays no wait
-        vote(self.comm, (update, self.micro_steps, self._micro_backwards),
+        vote(self.comm, (_EVENTS.index(event), self.micro_steps, self._micro_backwards),
              label=f"backward vote: {event}", refuse=self._backward_refusal,
-             deferred=update or not self._micro_backwards)
+             deferred=not backward or not self._micro_backwards)
 
     def _unmanaged_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
         return RankDivergenceError(
@@ -290,6 +292,9 @@ class EngineAccumulation:
                 if self.stage.partitions_parameters:
                     self._flush_coalesced_reduction_zero3(self.optimizer)
                 elif self.stage.reduces_every_micro_step:
+                    # the held backwards launch here: a rank whose peers reduced each
+                    # backward meets their vote with this one (Note: backwards that reduce)
+                    self._agree_on_window("flush")
                     self._reduce_local_gradients(self.is_gradient_accumulation_boundary())
                 else:
                     self._reduce_local_gradients()
@@ -314,7 +319,14 @@ def _unmanaged(update: int, backwards: int) -> str:
     return f"an update after {backwards} backward(s)" if update else f"backward {backwards + 1}"
 
 
-def _managed(update: int, micro_step: int, backwards: int) -> str:
-    if update:
+# what a managed vote says a rank is about to do (its first value)
+_EVENTS = ("backward", "update", "flush")
+
+
+def _managed(event: int, micro_step: int, backwards: int) -> str:
+    if _EVENTS[event] == "update":
         return f"the update at micro-step {micro_step}, after {backwards} backward(s) in it"
+    if _EVENTS[event] == "flush":
+        return (f"the exit of coalesce_grad_reduction() at micro-step {micro_step}, "
+                f"reducing the {backwards} backward(s) it held")
     return f"backward {backwards + 1} of micro-step {micro_step}"

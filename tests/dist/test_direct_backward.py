@@ -72,3 +72,69 @@ def _without_engine_backward(rank, world):
 def test_step_without_any_backward_still_names_both_ways(worlds):
     for message in worlds.run(2, _without_engine_backward):
         assert "engine.backward(loss) or loss.backward()" in message
+
+
+class _Raise(torch.autograd.Function):
+    """Identity forward; its backward raises, after the engine's gate has run."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")
+
+
+def _failing(rank, world, stage, direct, fail_ranks, steps=3):
+    """Train ``steps`` steps; at step 1 the backward of ``fail_ranks`` raises inside the
+    model (after the engine's gate), the script catches it and goes on with the step.
+    Returns each step's outcome and, when every step passed, the final weights."""
+    import zerotrain
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(),
+                                      config=R.engine_config(stage=stage, comms_timeout=20))
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    fail = {"now": False}
+    first.register_forward_hook(lambda m, i, o: _Raise.apply(o) if fail["now"] else o)
+    outcome = []
+    for step in range(steps):
+        fail["now"] = step == 1 and rank in fail_ranks
+        try:
+            loss = engine(*R.micro_batch(step, rank, 0))
+            try:
+                loss.backward() if direct else engine.backward(loss)
+            except RuntimeError as exc:
+                if "injected" not in str(exc):
+                    raise
+            engine.step()
+            outcome.append("ok")
+        except Exception as exc:   # noqa: BLE001 - the error is the result
+            outcome.append(f"{type(exc).__name__}: {exc}")
+            break
+    weights = None
+    if outcome == ["ok"] * steps:
+        with zerotrain.zero.GatheredParameters(list(model.parameters())):
+            weights = [p.detach().clone() for p in model.parameters()]
+    engine.destroy()
+    return outcome, weights
+
+
+def _failed_backwards(rank, world):
+    return {(stage, fail): [_failing(rank, world, stage, direct, fail) for direct in (False, True)]
+            for stage in (1, 2, 3) for fail in ((0, 1), (1,))}
+
+
+def test_a_direct_backward_that_raises_ends_as_engine_backward_ends_a_failed_one(worlds):
+    """Before, a ``loss.backward()`` that raised left the engine mid-backward (autograd
+    drops the epilogue it queued): each later backward failed with a misleading StateError,
+    and a peer whose backward went through waited out ``comms_timeout``."""
+    for result in worlds.run(2, _failed_backwards):
+        for (stage, fail), (managed, direct) in result.items():
+            if fail == (0, 1):   # every rank failed alike: training goes on, as managed
+                assert managed[0] == direct[0] == ["ok"] * 3, (stage, managed[0], direct[0])
+                for a, b in zip(managed[1], direct[1]):
+                    assert torch.equal(a, b), stage
+            else:   # one rank: a named divergence on every rank, no timeout
+                assert "RankDivergenceError" in direct[0][-1], (stage, direct[0])
+                assert len(direct[0]) <= 3, (stage, direct[0])

@@ -105,6 +105,7 @@ class _Pending:
             self._read()
         except Exception as exc:
             setattr(exc, VERDICT, True)
+            self.comm.stopped_by_vote = exc   # read by whoever must not launch after it
             raise
 
     def _read(self) -> None:

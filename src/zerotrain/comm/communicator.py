@@ -114,6 +114,9 @@ class Communicator:
         # verdicts to read before the next launch, shared with the communicators made from
         # this one (Note "deferred verdicts" in agreement.py)
         self._unread: list[Callable[[], None]] = [] if unread is None else unread
+        # the error of a vote that stopped the ranks (its verdict, or the vote's failure):
+        # after it nothing more is to be launched (Note "deferred verdicts" in agreement.py)
+        self.stopped_by_vote: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ topology
     def discover_topology(self) -> Topology:

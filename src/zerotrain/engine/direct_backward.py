@@ -16,6 +16,20 @@ Note: how
     so it is scaled once, at its own gate, never again through the logits it came from.
     Inside ``engine.backward`` the node passes gradients through unchanged.
 
+Note: a direct backward that raises
+    ``engine.backward`` catches an error raised in the middle of its backward and ends the
+    backward as a complete one before re-raising (Note "a failed backward" in
+    ``comm/trail.py``). A direct ``loss.backward()`` that raises after its first gate has
+    run the prologue never reaches the epilogue it queued (autograd drops queued callbacks
+    when the backward fails), and nothing of the engine's runs in between. So the engine's
+    next ``forward``, ``backward`` or ``step`` ends it first (``take_unfinished``), as
+    ``engine.backward`` would have: the failure noted in the trail, the stage's remaining
+    reductions launched with zeros for the missing gradients, so that peers waiting in them
+    go on, and the step's fingerprint stops every rank where only some failed. Before, the
+    engine was left mid-backward: every later backward failed with a misleading
+    ``StateError`` and a peer waited out ``comms_timeout``. Not where a vote stopped the
+    ranks (Note "deferred verdicts" in ``comm/agreement.py``): nothing more is launched.
+
 Note: stage 0
     DeepSpeed takes a direct backward only where its optimizer is a ZeRO optimizer (stages
     1-3) and raises ``RuntimeError`` ("Direct calls to tensor.backward() are not supported
@@ -92,6 +106,23 @@ class DirectBackward:
     def _finish(self) -> None:
         self._running = False
         self._epilogue()
+
+    def take_unfinished(self) -> bool:
+        """Whether a direct backward ran the prologue and never reached its epilogue: it
+        raised, and autograd runs queued callbacks only when the whole backward completes
+        (Note: a direct backward that raises). Clears the mark. Inside a running backward
+        (a forward from a backward hook) nothing is unfinished yet."""
+        if not self._running or _in_backward():
+            return False
+        self._running = False
+        return True
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (torch's private query, looked
+    up with a fallback: without it, assume not)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def _functorch_transforming() -> bool:

@@ -128,6 +128,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         and otherwise reach the module as given, as in DeepSpeed."""
         self._refuse_closed("forward()")
         moved_states.refuse_while_away(self._moved, "forward()", parameters_only=True)
+        self._end_failed_direct_backward()
         with self._timers.time("forward"):
             if self._auto_cast:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
@@ -145,6 +146,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         and leaves the gradient reduced (or accumulated) in the stage's buffers."""
         self._refuse_closed("backward()")
         self._refuse_without_optimizer("backward()")
+        self._end_failed_direct_backward()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise StateError(f"backward() needs a scalar loss tensor, got "
                              f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}")
@@ -169,6 +171,15 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 raise
             self._backward_epilogue()
         return loss
+
+    def _end_failed_direct_backward(self) -> None:
+        """A direct ``loss.backward()`` that raised: end it now as ``backward`` ends a failed
+        one (Note "a direct backward that raises" in direct_backward.py)."""
+        if not self._direct.take_unfinished() or self.comm.stopped_by_vote is not None:
+            return
+        self.comm.read_deferred()   # a vote's verdict before this rank's own failure
+        self.comm.ledger.trail.note("backward failed", None, "loss.backward()")
+        self._backward_epilogue()   # ended as a backward (its gaps as zeros)
 
     def _backward_prologue(self) -> float:
         """Before a backward's gradients exist: tell the stage whether it ends the window.
@@ -213,6 +224,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._refuse_closed("step()")
         self._refuse_without_optimizer("step()")
         moved_states.refuse_while_away(self._moved, "step()")
+        self._end_failed_direct_backward()
         if self._coalescing:
             raise ContextMisuseError("engine.step() inside coalesce_grad_reduction() (a no_sync "
                              "block): leave the block first, its exit reduces the gradients")

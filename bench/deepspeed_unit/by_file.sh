@@ -11,6 +11,7 @@ set -uo pipefail
 which=$1; python=$2; tests=$3; out=$4; shift 4
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
+out=$(cd "$out" && pwd)   # the junit file is written from DS_TESTS (run.sh cds there)
 for file in "$@"; do
   name=$(echo "$file" | tr '/' '_')
   start=$(date +%s)

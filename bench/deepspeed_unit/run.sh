@@ -12,6 +12,7 @@
 #   git -C DeepSpeed archive v0.19.5 tests | tar -x -C /tmp/ds && DS_TESTS=/tmp/ds/tests
 set -euo pipefail
 which=$1; python=$2; tests=$3; shift 3
+case $python in /*) ;; */*) python=$PWD/$python ;; esac   # relative to the caller: we cd below
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 export DS_ACCELERATOR=cpu LOCAL_SIZE=2 DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-300}

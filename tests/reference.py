@@ -168,3 +168,15 @@ def train_engine(engine, *, steps: int, rank: int, ga: int, micro_size: int = 4)
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises: a rank that fails in the middle of its backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")

@@ -74,18 +74,6 @@ def test_step_without_any_backward_still_names_both_ways(worlds):
         assert "engine.backward(loss) or loss.backward()" in message
 
 
-class _Raise(torch.autograd.Function):
-    """Identity forward; its backward raises, after the engine's gate has run."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("injected failure in backward")
-
-
 def _failing(rank, world, stage, direct, fail_ranks, steps=3):
     """Train ``steps`` steps; at step 1 the backward of ``fail_ranks`` raises inside the
     model (after the engine's gate), the script catches it and goes on with the step.
@@ -96,7 +84,7 @@ def _failing(rank, world, stage, direct, fail_ranks, steps=3):
                                       config=R.engine_config(stage=stage, comms_timeout=20))
     first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
     fail = {"now": False}
-    first.register_forward_hook(lambda m, i, o: _Raise.apply(o) if fail["now"] else o)
+    first.register_forward_hook(lambda m, i, o: R.RaiseInBackward.apply(o) if fail["now"] else o)
     outcome = []
     for step in range(steps):
         fail["now"] = step == 1 and rank in fail_ranks

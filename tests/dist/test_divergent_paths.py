@@ -80,18 +80,6 @@ def test_stage3_experts_routed_apart_fail_at_once_or_train_exactly_as_a_leaf(wor
         assert "set_z3_leaf_modules" in message and "forward pass 1" in message, message
 
 
-class _Raise(torch.autograd.Function):
-    """Identity whose backward raises (a rank that fails in the middle of backward)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("injected failure in backward")
-
-
 def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra):
     """Train 3 steps (micro-steps, with ``ga`` in ``extra``); at ``bad_step`` rank 1
     diverges as ``kind`` says. Returns
@@ -108,7 +96,7 @@ def _inject(rank, world, stage, kind, bad_step=1, steps=3, planned=None, **extra
             x, route, y = M.batch(step, rank, n_experts=2, random_routes=True)
             model.skip_moe = bad and kind == "skip"   # the block is not called at all
             if bad and kind == "raise":
-                model.moe.forward = lambda h, route: _Raise.apply(moe_forward(h, route))
+                model.moe.forward = lambda h, route: R.RaiseInBackward.apply(moe_forward(h, route))
             loss = engine(x, route, y)
             model.moe.forward = moe_forward
             if bad and kind == "extra_forward":

@@ -55,6 +55,14 @@ def test_estimate_from_a_hf_config_adds_activations(tmp_path, capsys):
     (["--params", "7B", "--micro-batch", "4"], "--micro-batch"),
     (["--params", "7B", "--write", "x.json"], "--write"),
     (["--model", "no_such_file.json"], "--model"),
+    # sane bounds, checked before any work (1e9 GPUs exhausted memory; the others were
+    # tracebacks)
+    (["--params", "7B", "--gpus", "1000000000"], "--gpus"),
+    (["--params", "7B", "--gpus", "1024", "--nodes", "1024"], "--gpus/--nodes"),
+    (["--params", "1e308T"], "--params"),
+    (["--params", "7B", "--gpu-memory", "1e300TiB"], "--gpu-memory"),
+    (["--params", "7B", "--gpu-memory", "80GB", "--write", "no_such_folder/x.json"],
+     "--write"),
 ])
 def test_bad_estimate_arguments_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -141,3 +149,64 @@ def test_estimate_trace_errors_name_the_option(argv, needle, capsys):
     with pytest.raises(SystemExit):
         main(["estimate", *argv])
     assert needle in capsys.readouterr().err
+
+
+def _config(tmp_path, **fields):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_positions": 64,
+                                "n_embd": 64, "n_layer": 2, "n_head": 4, **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize("trace", [[], ["--stage", "3"]])
+@pytest.mark.parametrize("value", [4e9, 4_000_000_000, 64.5, "64", True])
+def test_a_model_dimension_out_of_bounds_is_one_line_naming_it(tmp_path, capsys, trace, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", _config(tmp_path, n_embd=value), "--micro-batch", "1",
+              "--seq-len", "8", *trace])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("zerotrain estimate: error: argument --model: model config n_embd")
+
+
+@pytest.mark.parametrize("trace", [[], ["--stage", "3", "--json"]])
+def test_a_sequence_longer_than_the_models_positions_is_refused(tmp_path, capsys, trace):
+    """GPT-2's learned positions: 65 tokens on a 64-position model raise IndexError in the
+    real step; the estimate and the trace (fake tensors look nothing up) refuse it."""
+    model = _config(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", model, "--micro-batch", "1", "--seq-len", "65", *trace])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --seq-len: 65 tokens are more than the model's 64 positions" in err
+    assert "n_positions" in err
+    assert main(["estimate", "--model", model, "--micro-batch", "1", "--seq-len", "64",
+                 *trace]) == 0
+
+
+def test_the_planner_refuses_a_sequence_beyond_a_learned_position_table(tmp_path):
+    """A BERT config (counted without positions) is refused by the traced step itself, from
+    the model's position table."""
+    from zerotrain.estimate.models import SequenceLengthError
+    from zerotrain.planner import StepSpec, plan_peak
+
+    path = tmp_path / "bert.json"
+    path.write_text(json.dumps({"model_type": "bert", "vocab_size": 128, "hidden_size": 32,
+                                "intermediate_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "max_position_embeddings": 16}))
+    with pytest.raises(SequenceLengthError, match="17 tokens are more than the model's 16 "
+                       "positions .*position_embeddings"):
+        plan_peak(StepSpec(str(path), micro_batch=1, seq_len=17, stage=1, dtype="fp32"))
+
+
+def test_write_into_a_missing_folder_is_refused_before_the_trace(monkeypatch, capsys):
+    import zerotrain.planner as planner
+
+    def never(*args, **kwargs):
+        raise AssertionError("traced before checking --write")
+    monkeypatch.setattr(planner, "fit", never)
+    monkeypatch.setattr(planner, "plan_peak", never)
+    with pytest.raises(SystemExit):
+        main(["estimate", "--model", _TINY, "--micro-batch", "2", "--seq-len", "32",
+              "--fit", "1GB", "--write", "no_such_folder/ds_config.json"])
+    assert "argument --write: the folder" in capsys.readouterr().err

@@ -68,3 +68,28 @@ def test_auto_resume_is_for_the_launchers_children_only(torchrun, monkeypatch):
     assert _launched_auto_resume() is None             # the script's own helper job
     monkeypatch.delenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER")
     assert _launched_auto_resume() == "ckpt"           # set by hand: honoured
+
+
+@pytest.mark.parametrize("given", [[], ["--auto-resume", "fresh"]])
+def test_a_stale_auto_resume_from_the_shell_never_reaches_the_workers(torchrun, monkeypatch,
+                                                                      capsys, given):
+    """An earlier job's ZEROTRAIN_AUTO_RESUME (and its launcher pid) left exported: without
+    --auto-resume the launch clears them, with it this command's directory replaces them."""
+    import os
+
+    from zerotrain.engine.resume import launched_auto_resume
+    monkeypatch.setenv("ZEROTRAIN_AUTO_RESUME", "old_job_ckpt")
+    monkeypatch.setenv("ZEROTRAIN_AUTO_RESUME_LAUNCHER", "12345")
+    seen = {}
+    import torch.distributed.run
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: seen.update(
+        {k: os.environ.get(k) for k in ("ZEROTRAIN_AUTO_RESUME",
+                                         "ZEROTRAIN_AUTO_RESUME_LAUNCHER")}))
+    assert main(["launch", "--nproc_per_node", "2", *given, "train.py"]) == 0
+    if given:
+        assert seen == {"ZEROTRAIN_AUTO_RESUME": "fresh",
+                        "ZEROTRAIN_AUTO_RESUME_LAUNCHER": str(os.getpid())}
+    else:
+        assert seen == {"ZEROTRAIN_AUTO_RESUME": None, "ZEROTRAIN_AUTO_RESUME_LAUNCHER": None}
+        assert launched_auto_resume() is None
+        assert "not passing ZEROTRAIN_AUTO_RESUME=old_job_ckpt" in capsys.readouterr().err

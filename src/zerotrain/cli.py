@@ -18,14 +18,17 @@ and ``demo/`` are the only places that print.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from typing import Callable, Optional, Sequence
 
 from .launch import launch
 from .estimate import (DTYPES, OPTIMIZERS, EstimateRequest, ModelShape, estimate, parse_bytes,
                        parse_count, shape_from_hf_config, shape_from_module_spec)
+from .estimate.models import SequenceLengthError, check_positions
 
 _PASSTHROUGH = ("launch", "consolidate")  # their arguments go untouched to another parser
 
@@ -41,14 +44,29 @@ def _typed(parse: Callable[[str], int]) -> Callable[[str], int]:
     return convert
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise ValueError(f"{text!r} must be at least 1")
-    return value
+# Sane bounds, checked before any work: far above any machine or batch there is, and low
+# enough that the traced world (a structure per rank) and the step's shapes stay small.
+MAX_GPUS_PER_NODE = 1024
+MAX_WORLD = 2**17           # GPUs in all (--gpus x --nodes): 131072
+MAX_MICRO_BATCH = 2**16
+MAX_SEQ_LEN = 2**24
+
+
+def _whole(maximum: int) -> Callable[[str], int]:
+    """A parser of whole numbers in 1..``maximum`` (ValueError naming the bound)."""
+    def positive_int(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a whole number") from None
+        if value < 1:
+            raise ValueError(f"{text!r} must be at least 1")
+        if value > maximum:
+            raise ValueError(f"{text!r} is more than {maximum}")
+        return value
+    return positive_int
+
+
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
@@ -62,9 +80,10 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--model", metavar="CONFIG",
                       help="a Hugging Face config.json (GPT-2 or Llama-style) or "
                       "module:callable returning an nn.Module (built on the meta device)")
-    p.add_argument("--gpus", type=_typed(_positive_int), default=1, metavar="G",
+    p.add_argument("--gpus", type=_typed(_whole(MAX_GPUS_PER_NODE)), default=1, metavar="G",
                    help="GPUs per node (default 1)")
-    p.add_argument("--nodes", type=_typed(_positive_int), default=1, help="nodes (default 1)")
+    p.add_argument("--nodes", type=_typed(_whole(MAX_WORLD)), default=1,
+                   help="nodes (default 1)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="training precision; bf16/fp16 mean mixed precision (default bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="default adam")
@@ -72,9 +91,9 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
                    help="memory per GPU (80GB, 24GiB): recommend a stage and print its config")
     p.add_argument("--cpu-memory", type=_typed(parse_bytes), metavar="SIZE",
                    help="host memory per node, checked for the offload recommendations")
-    p.add_argument("--micro-batch", type=_typed(_positive_int), metavar="B",
+    p.add_argument("--micro-batch", type=_typed(_whole(MAX_MICRO_BATCH)), metavar="B",
                    help="sequences per GPU per micro-step (activation estimate, with --model)")
-    p.add_argument("--seq-len", type=_typed(_positive_int), metavar="S",
+    p.add_argument("--seq-len", type=_typed(_whole(MAX_SEQ_LEN)), metavar="S",
                    help="tokens per sequence (activation estimate, with --model)")
     p.add_argument("--write", metavar="PATH", help="write the recommended ds_config.json here")
     trace = p.add_argument_group(
@@ -143,6 +162,44 @@ def _model_shape(parser: argparse.ArgumentParser, spec: str) -> ModelShape:
                  "module:callable")
 
 
+def _is_config_file(spec: str) -> bool:
+    if os.path.isdir(spec):
+        return os.path.isfile(os.path.join(spec, "config.json"))
+    return spec.endswith(".json") or (os.path.isfile(spec) and not spec.endswith(".py"))
+
+
+def _check_common(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """What every estimate checks before any work: the world's size and the folder
+    ``--write`` writes into (a missing folder found after a long trace loses it)."""
+    if args.gpus * args.nodes > MAX_WORLD:
+        parser.error(f"argument --gpus/--nodes: {args.gpus} x {args.nodes} GPUs is more than "
+                     f"{MAX_WORLD}")
+    if args.write:
+        target = os.path.abspath(args.write)
+        folder = os.path.dirname(target)
+        if os.path.isdir(target):
+            parser.error(f"argument --write: {args.write} is a folder; name the file to write")
+        if not os.path.isdir(folder):
+            parser.error(f"argument --write: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            parser.error(f"argument --write: the folder {folder} is not writable")
+
+
+def _write_json(path: str, data: dict) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (a temporary file renamed)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".zerotrain-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _traces(args: argparse.Namespace) -> bool:
     return bool(args.stage is not None or args.offload or args.activation_checkpointing
                 or args.json or args.fit or args.host_memory)
@@ -158,6 +215,9 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --micro-batch/--seq-len: tracing a step needs both")
     if args.write and not args.fit:
         parser.error("argument --write: with a traced step it needs --fit")
+    if _is_config_file(args.model):   # its dimensions and positions, before the trace
+        shape = _model_shape(parser, args.model)
+        _check_seq_len(parser, args.seq_len, shape)
     from .planner import PlanError, StepSpec, ds_config_for, fit, plan_peak
 
     spec = StepSpec(args.model, micro_batch=args.micro_batch, seq_len=args.seq_len,
@@ -170,6 +230,8 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             result = plan_peak(spec)
         else:
             result = fit(spec, args.fit, args.host_memory)
+    except SequenceLengthError as exc:
+        parser.error(f"argument --seq-len: {exc}")
     except (ValueError, OSError) as exc:
         parser.error(f"argument --model: {exc}")
     except PlanError as exc:
@@ -186,12 +248,17 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         print(_render_peak(result, args.fit))
     if args.write:
-        with open(args.write, "w", encoding="utf-8") as handle:
-            json.dump(ds_config_for(result.spec), handle, indent=2)
-            handle.write("\n")
+        _write_json(args.write, ds_config_for(result.spec))
         if not args.json:
             print(f"\nwrote {args.write}")
     return 0
+
+
+def _check_seq_len(parser: argparse.ArgumentParser, seq_len: int, shape: ModelShape) -> None:
+    try:
+        check_positions(seq_len, shape.max_positions, shape.positions_from)
+    except SequenceLengthError as exc:
+        parser.error(f"argument --seq-len: {exc}")
 
 
 def _size(nbytes: float) -> str:
@@ -228,14 +295,17 @@ def _render_peak(result, budget) -> str:
 
 def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print the estimate (and write the config with ``--write``); the exit status."""
+    _check_common(args, parser)
     if _traces(args):
         return run_trace(args, parser)
+    if args.write and not args.gpu_memory:
+        parser.error("argument --write: needs --gpu-memory to choose the stage to write")
     shape = _model_shape(parser, args.model) if args.model else None
     if (args.micro_batch or args.seq_len) and shape is None:
         parser.error("argument --micro-batch/--seq-len: the activation estimate needs "
                      "--model (a config.json or module:callable)")
-    if args.write and not args.gpu_memory:
-        parser.error("argument --write: needs --gpu-memory to choose the stage to write")
+    if args.seq_len:
+        _check_seq_len(parser, args.seq_len, shape)
     request = EstimateRequest(
         total_params=shape.total_params if shape else args.params, gpus_per_node=args.gpus,
         nodes=args.nodes, dtype=args.dtype, optimizer=args.optimizer, shape=shape,
@@ -247,9 +317,7 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         if report.config is None:
             print(f"not writing {args.write}: no configuration fits", file=sys.stderr)
             return 1
-        with open(args.write, "w", encoding="utf-8") as handle:
-            json.dump(report.config, handle, indent=2)
-            handle.write("\n")
+        _write_json(args.write, report.config)
         print(f"\nwrote {args.write}")
     return 0
 

@@ -26,14 +26,14 @@ def launch(argv: list[str]) -> int:
     The directory travels in ``ZEROTRAIN_AUTO_RESUME`` together with
     ``ZEROTRAIN_AUTO_RESUME_LAUNCHER`` (this process's pid): ``initialize`` honours it only
     in a direct child of this process (torchrun's workers), so a job the script itself
-    starts does not inherit the resume."""
+    starts does not inherit the resume. The launcher owns both variables: without
+    ``--auto-resume`` it clears them, so one left exported in the shell by an earlier job
+    never makes an unrelated run resume from that job's folder (a note on stderr says so)."""
     split = _launch_options(argv)
     if split is None:
         return 2
     argv, ours = split
-    if ours.auto_resume is not None:
-        os.environ["ZEROTRAIN_AUTO_RESUME"] = ours.auto_resume  # read by initialize()
-        os.environ["ZEROTRAIN_AUTO_RESUME_LAUNCHER"] = str(os.getpid())
+    _own_environment(ours.auto_resume)
     if ours.as_deepspeed:
         argv = _as_deepspeed(argv)
         if argv is None:
@@ -41,6 +41,26 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun
     torchrun(argv)
     return 0
+
+
+# The variables the launcher sets for its workers: each is set from this command's own
+# options or removed, never passed through from the caller's shell.
+_OWNED_ENV = ("ZEROTRAIN_AUTO_RESUME", "ZEROTRAIN_AUTO_RESUME_LAUNCHER")
+
+
+def _own_environment(auto_resume: Optional[str]) -> None:
+    """Set the workers' ``_OWNED_ENV`` from ``--auto-resume`` (read by ``initialize``), or
+    clear what an earlier job left exported."""
+    stale = os.environ.get("ZEROTRAIN_AUTO_RESUME")
+    for name in _OWNED_ENV:
+        os.environ.pop(name, None)
+    if auto_resume is not None:
+        os.environ["ZEROTRAIN_AUTO_RESUME"] = auto_resume
+        os.environ["ZEROTRAIN_AUTO_RESUME_LAUNCHER"] = str(os.getpid())
+    elif stale:
+        print(f"zerotrain launch: not passing ZEROTRAIN_AUTO_RESUME={stale} from the "
+              "environment to the workers (left from an earlier job?); give --auto-resume "
+              "DIR to resume", file=sys.stderr)
 
 
 def _launch_parser() -> argparse.ArgumentParser:

@@ -180,3 +180,38 @@ def test_fp16_loss_scaling_and_optimizer_offload_inside_the_block(worlds, stage)
         # gradient is non-finite in both
         for a, b in zip(p, c):
             torch.testing.assert_close(a, b, rtol=0, atol=2e-3, equal_nan=True)
+
+
+def _one_rank_job(rank: int, world: int, holders: tuple, votes: bool, overlap: bool):
+    """Stage 1, ranks in ``holders`` run each window's backwards inside the block, the
+    others without it: the same collectives either way (one reduction per window)."""
+    import zerotrain
+
+    model, batches = _exact_model(rank)
+    engine, *_ = zerotrain.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": WINDOW,
+        "backward_votes": votes,
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 24, "overlap_comm": overlap},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.125}}})
+    for window in range(2):
+        held = rank in holders
+        with engine.coalesce_grad_reduction() if held else contextlib.nullcontext():
+            for i in range(WINDOW):
+                engine.set_gradient_accumulation_boundary(i == WINDOW - 1)
+                engine.backward(engine(batches[window * WINDOW + i]).sum())
+        engine.step()
+    out = [p.detach().clone() for p in model.parameters()]
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stage1_block_on_one_rank_only_trains_as_if_all_had(worlds, overlap):
+    """docs/divergence.md: at stage 1 the block changes no collective, so one rank using it
+    alone trains bit for bit as when every rank does, with the backward votes on (they
+    took the block's exit for a missing backward) as with them off."""
+    every = worlds.run(2, _one_rank_job, (0, 1), True, overlap)
+    for votes in (True, False):
+        alone = worlds.run(2, _one_rank_job, (1,), votes, overlap)
+        for rank in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(every[rank], alone[rank])), (votes, rank)

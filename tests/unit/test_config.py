@@ -291,6 +291,28 @@ def test_wrong_values_name_the_dotted_key(config: Dict[str, Any], path: str) -> 
     assert config_error({**BASE, **config}).path == path
 
 
+@pytest.mark.parametrize("fp16, path", [
+    ({"initial_scale_power": 1000}, "fp16.initial_scale_power"),   # 2**1000 is inf in fp32
+    ({"initial_scale_power": 65}, "fp16.initial_scale_power"),
+    ({"initial_scale_power": 10**30}, "fp16.initial_scale_power"),
+    ({"loss_scale": 1e300}, "fp16.loss_scale"),
+    ({"min_loss_scale": 1e300}, "fp16.min_loss_scale"),
+    ({"min_loss_scale": 1e9}, "fp16.min_loss_scale"),   # above 2**16, the initial scale
+    ({"min_loss_scale": 4.0, "initial_scale_power": 1}, "fp16.min_loss_scale"),
+])
+def test_loss_scales_that_skip_every_step_are_refused(fp16: Dict[str, Any], path: str) -> None:
+    error = config_error({**BASE, "fp16": {"enabled": True, **fp16}})
+    assert error.path == path, str(error)
+
+
+def test_loss_scale_bounds_keep_the_usual_values() -> None:
+    fp16 = load({"fp16": {"enabled": True, "initial_scale_power": 64,
+                          "min_loss_scale": 2.0 ** 64}}).fp16
+    assert fp16.initial_scale_power == 64
+    static = load({"fp16": {"enabled": True, "loss_scale": 2.0 ** 64, "min_loss_scale": 1e9}})
+    assert static.fp16.loss_scale == 2.0 ** 64   # a static scale has no floor to check
+
+
 def test_gradient_clipping_accepts_int() -> None:
     assert load({"gradient_clipping": 1}).gradient_clipping == 1.0
 

@@ -130,7 +130,9 @@ def test_parse_bytes(text, nbytes):
     (parse_count, "7X", "suffix"), (parse_count, "", "not a number"),
     (parse_count, "-1B", "not a number"), (parse_count, "0.1", "less than one"),
     (parse_bytes, "80", "no unit"), (parse_bytes, "80XB", "unknown unit"),
-    (parse_bytes, "0GB", "more than 0")])
+    (parse_bytes, "0GB", "more than 0"),
+    (parse_count, "1e308T", "more than 1000T"), (parse_count, "1001T", "more than 1000T"),
+    (parse_bytes, "1e300TiB", "more than 1 EB"), (parse_bytes, "1e19B", "more than 1 EB")])
 def test_bad_sizes_explain_themselves(parse, text, words):
     with pytest.raises(ValueError, match=words):
         parse(text)

@@ -176,3 +176,66 @@ def test_inputs_that_differ_within_a_group_are_named_on_every_rank():
     with pytest.raises(TensorParallelInputError,
                        match=r"ranks \[4, 5, 6\].*rank 6 \(input_ids\) differ from rank 4"):
         check_same_inputs(group(mine, same, other), (), {})
+
+
+def _fake_group(*digests):
+    return SimpleNamespace(world_size=len(digests), ranks=tuple(range(len(digests))),
+                           all_gather_object=lambda obj, **kw: list(digests))
+
+
+def _batches(rank_delta):
+    """The same batch in the shapes scripts pass it, with ``rank_delta`` added to one tensor
+    deep inside each, or to one plain value beside it."""
+    import dataclasses
+    from collections import UserDict
+
+    @dataclasses.dataclass
+    class Batch:
+        input_ids: torch.Tensor
+        meta: dict
+
+    class Encoding(UserDict):   # transformers' BatchEncoding is a UserDict
+        pass
+
+    ids = torch.arange(8).view(2, 4)
+    moved = ids + rank_delta
+    return {
+        "dict": (({"input_ids": moved, "labels": ids},), {}),
+        "tuple": (((ids, (moved, ids)),), {}),
+        "list in kwargs": ((), {"batch": [ids, {"mask": moved}]}),
+        "dataclass": ((Batch(ids, {"ids": moved}),), {}),
+        "mapping": ((Encoding(input_ids=moved, attention_mask=ids),), {}),
+        "int leaf": (({"input_ids": ids, "num_items": 4 + rank_delta},), {}),
+        "bool leaf": ((), {"batch": {"ids": ids}, "flag": bool(rank_delta)}),
+        "string leaf": (({"ids": ids, "task": "x" * (100 + rank_delta)},), {}),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_batches(0)))
+def test_different_batches_in_nested_structures_are_caught(kind):
+    """A batch passed as one dict, tuple, list, dataclass or mapping (model(batch)), or with
+    a differing int, bool or string inside: each is named where it differs."""
+    from zerotrain.tp.inputs import TensorParallelInputError, check_same_inputs, input_digests
+    mine = input_digests(*_batches(0)[kind])
+    again = input_digests(*_batches(0)[kind])
+    other = input_digests(*_batches(1)[kind])
+    assert mine == again
+    check_same_inputs(_fake_group(mine, again), (), {})
+    with pytest.raises(TensorParallelInputError, match=r"rank 1 \((args\[0\]|batch|flag)"):
+        check_same_inputs(_fake_group(mine, other), (), {})
+
+
+def test_nested_digests_name_the_path_ignore_key_order_and_stay_bounded():
+    from zerotrain.tp.inputs import _MAX_ENTRIES, input_digests
+    ids = torch.arange(4)
+    a = input_digests(({"input_ids": ids, "labels": ids},), {})
+    b = input_digests(({"labels": ids, "input_ids": ids},), {})
+    assert a == b and "args[0]['input_ids']" in a
+    c = input_digests(({"input_ids": ids, "labels": ids + 1},), {})
+    assert [k for k in a if a[k] != c[k]] == ["args[0]['labels']"]
+    many = input_digests(([torch.tensor(i) for i in range(1000)],), {})
+    fewer = input_digests(([torch.tensor(i) for i in range(999)] + [torch.tensor(-1)],), {})
+    assert len(many) == _MAX_ENTRIES and many != fewer   # the folded rest still compares
+    loop = {"ids": ids}
+    loop["self"] = loop
+    assert "not followed" in input_digests((loop,), {})["args[0]['self']"]

@@ -44,3 +44,21 @@ def test_an_unknown_backend_is_named():
     with pytest.raises(ValueError, match="'mpi'"):
         with fake_world(0, 2, "mpi"):
             pass
+
+
+def test_a_withdrawn_entry_leaves_the_fingerprint_as_if_never_noted():
+    """Note "a forward that raises" in comm/trail.py: below and beyond the kept entries."""
+    from zerotrain.comm.trail import MAX_ENTRIES, CollectiveTrail
+
+    for before in (3, MAX_ENTRIES - 1, MAX_ENTRIES, MAX_ENTRIES + 5):
+        plain, withdrawn = CollectiveTrail(), CollectiveTrail()
+        for trail in (plain, withdrawn):
+            for i in range(before):
+                trail.note("all_reduce", i, "bucket")
+        withdrawn.note("forward", None, "engine forward")
+        assert withdrawn.carried() != plain.carried()
+        assert not withdrawn.withdraw(withdrawn.count - 1)   # not the last entry
+        assert withdrawn.withdraw(withdrawn.count)
+        for trail in (plain, withdrawn):
+            trail.note("all_reduce", 7, "step")
+        assert withdrawn.carried() == plain.carried() and withdrawn.count == plain.count

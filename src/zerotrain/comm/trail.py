@@ -24,6 +24,14 @@ Note: a failed backward
     (the stage launches the remaining reductions, the missing gradients as zeros) before
     re-raising, and notes the failure in the trail: the peers' reductions pair up, and the
     step's fingerprint check then stops every rank at that step, naming the failure.
+
+Note: a forward that raises
+    A training forward is noted as it starts, at its place among the step's collectives. If
+    it raises (an out-of-memory error the script catches, retrying on a smaller batch) and
+    launched nothing, no peer saw anything of it: the entry is withdrawn, and the retry
+    counts as the step's one forward. A forward that raised after launching collectives
+    (stage 3's gathers, tensor parallelism's all-reduces) keeps its entry: its peers met
+    those collectives, and the ranks' paths did part.
 """
 from __future__ import annotations
 
@@ -38,12 +46,13 @@ MAX_ENTRIES = 4096    # entries kept for the error message (the fingerprint cove
 class CollectiveTrail:
     """This rank's collectives since the last step (Note: step fingerprint)."""
 
-    __slots__ = ("crc", "count", "entries")
+    __slots__ = ("crc", "count", "entries", "_crc_before")
 
     def __init__(self) -> None:
         self.crc = 0
         self.count = 0
         self.entries: list[tuple[str, Optional[int], str]] = []
+        self._crc_before: Optional[int] = None   # the CRC before the last folded entry
 
     def note(self, op: str, numel: Optional[int], label: str) -> None:
         """One entry; folded into the CRC at the step (``carried``), or at once beyond the
@@ -54,10 +63,25 @@ class CollectiveTrail:
             return
         if self.count == MAX_ENTRIES + 1:   # the kept entries first, in order
             self.crc = _fold(self.entries, 0)
+        self._crc_before = self.crc
         self.crc = _fold([(op, numel, label)], self.crc)
 
+    def withdraw(self, count: int) -> bool:
+        """Take back the entry noted as the ``count``-th of the step if it is still the last
+        one (Note: a forward that raises); whether it was."""
+        if count < 1 or self.count != count:
+            return False
+        if count <= MAX_ENTRIES:
+            self.entries.pop()
+        elif self._crc_before is None:
+            return False
+        else:
+            self.crc, self._crc_before = self._crc_before, None
+        self.count -= 1
+        return True
+
     def restart(self) -> None:
-        self.crc, self.count = 0, 0
+        self.crc, self.count, self._crc_before = 0, 0, None
         self.entries.clear()
 
     def carried(self) -> list[float]:

@@ -19,6 +19,7 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
         raise ConfigError("fp16.enabled", f"fp16.enabled and {bf16} are both true; "
                                           "enable at most one of them", value=True)
     _check_allreduce_op(result.gradient_allreduce_op)
+    _check_loss_scale_floor(result)
     _check_allgather_alignment(result, walk)
     for key in result.compile.kwargs:
         if key not in TORCH_COMPILE_KWARGS:
@@ -30,6 +31,21 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
         if offload is not None and offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError(f"zero_optimization.{name}.nvme_path",
                               'is required when device is "nvme"')
+
+
+def _check_loss_scale_floor(result: ZeroTrainConfig) -> None:
+    """A dynamic scale's ``min_loss_scale`` above its start, ``2**initial_scale_power``: the
+    first overflow would raise the scale to the floor, and a checkpoint's scaler (minimum
+    above its scale) would not load on resume (``checkpoint/match.py``)."""
+    fp16 = result.fp16
+    if not fp16.enabled or fp16.loss_scale:
+        return
+    start = 2.0 ** fp16.initial_scale_power
+    if fp16.min_loss_scale > start:
+        raise ConfigError("fp16.min_loss_scale", f"{fp16.min_loss_scale:g} is above the "
+                          f"initial scale 2**{fp16.initial_scale_power} = {start:g} "
+                          "(fp16.initial_scale_power)", value=fp16.min_loss_scale,
+                          suggestion="lower min_loss_scale or raise initial_scale_power")
 
 
 def _check_unmanaged_accumulation(result: ZeroTrainConfig) -> None:

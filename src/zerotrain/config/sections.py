@@ -29,14 +29,26 @@ class CheckpointConfig(_Section):
     writer: Optional[CheckpointWriterConfig] = None
 
 
+# The largest loss scale: 2**64, finite in fp32 (whose largest power of two is 2**127) and
+# what a checkpoint's loss scaler may hold (checkpoint/match.py); fp16 gradients overflow
+# long before it. DeepSpeed bounds none of these, and 2**1000 is inf in fp32: every step is
+# then skipped as an overflow, with no error.
+MAX_SCALE_POWER = 64
+MAX_LOSS_SCALE = 2.0 ** MAX_SCALE_POWER
+
+
 class FP16Config(_Section):
+    """DeepSpeed's ``fp16`` section. Scales are bounded by ``MAX_LOSS_SCALE`` (a larger one
+    is inf in fp32 or refused by a resume); ``min_loss_scale`` above the initial scale is
+    refused in ``checks.py``."""
+
     enabled: bool = False
-    loss_scale: NonNegative = 0.0  # 0 means dynamic loss scaling
-    initial_scale_power: int = Field(16, ge=0)
+    loss_scale: float = Field(0.0, ge=0, le=MAX_LOSS_SCALE)  # 0 means dynamic loss scaling
+    initial_scale_power: int = Field(16, ge=0, le=MAX_SCALE_POWER)
     loss_scale_window: int = Field(1000, ge=1)
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0)
+    min_loss_scale: float = Field(1.0, gt=0, le=MAX_LOSS_SCALE)
     auto_cast: bool = False
     fp16_master_weights_and_grads: bool = False
 

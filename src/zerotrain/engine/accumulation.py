@@ -65,8 +65,11 @@ Note: backwards that reduce
     ``comm/trail.py``) could compare (gloo aborts the process; NCCL hangs or sums
     mismatched buffers). So on more than one rank, at stages 0-2, every backward that will
     reduce (``engine.backward`` or a direct ``loss.backward()``: both start with the
-    engine's prologue, before the first gradient exists) and every update is voted on
-    first (Note "position votes" in ``comm/agreement.py``): (backward or update,
+    engine's prologue, before the first gradient exists; at stage 1 the exit of a
+    ``coalesce_grad_reduction()`` block, whose one reduction is the one its last backward
+    would have launched without the block, so it votes as that backward, and a rank that
+    ran the window in the block agrees with peers that did not, as their collectives do)
+    and every update is voted on first (Note "position votes" in ``comm/agreement.py``): (backward or update,
     ``micro_steps``, backwards so far in this micro-step). Both events vote, so a rank at
     a backward meets a peer at the update in a vote of the same shape, never in a
     reduction. Where they differ, every rank raises the same RankDivergenceError naming
@@ -133,8 +136,9 @@ class EngineAccumulation:
             self._in_step = False
 
     def _agree_on_window(self, event: str) -> None:
-        """Every rank is at the same ``event`` ("backward", "update", or "flush": the exit of
-        a stage-2 ``coalesce_grad_reduction()`` block) at the same place, or
+        """Every rank is at the same ``event`` ("backward", "update", "flush": the exit of
+        a stage-2 ``coalesce_grad_reduction()`` block, or "held": a stage-1 block's exit,
+        voting as its last backward) at the same place, or
         every rank raises RankDivergenceError naming what each was doing. Collective where
         a rank could otherwise start collectives its peers do not (Notes: unmanaged
         accumulation, backwards that reduce); nothing elsewhere."""
@@ -147,14 +151,17 @@ class EngineAccumulation:
             vote(self.comm, (update, self._window_backwards),
                  label=f"unmanaged accumulation: {event}", refuse=self._unmanaged_refusal)
             return
+        held = event == "held"   # a stage-1 block's exit, as its last backward (Note)
         backward = event == "backward"
         if not self.config.backward_votes or not (not backward or self._backward_reduces()):
             return   # switched off: a rank's extra backward then aborts or hangs
         # a second backward in a micro-step is read at once: the stage may refuse it in its
         # first gradient's hook, where no launch would read the vote first (Note "deferred
         # verdicts" in comm/agreement.py); one backward per micro-step pays no wait
-        vote(self.comm, (_EVENTS.index(event), self.micro_steps, self._micro_backwards),
-             label=f"backward vote: {event}", refuse=self._backward_refusal,
+        values = ((_EVENTS.index("backward"), self.micro_steps, self._micro_backwards - 1)
+                  if held else (_EVENTS.index(event), self.micro_steps, self._micro_backwards))
+        label = f"backward vote: {'backward' if held else event}"   # the step's trail too
+        vote(self.comm, values, label=label, refuse=self._backward_refusal,
              deferred=not backward or not self._micro_backwards)
 
     def _unmanaged_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
@@ -297,6 +304,10 @@ class EngineAccumulation:
                     self._agree_on_window("flush")
                     self._reduce_local_gradients(self.is_gradient_accumulation_boundary())
                 else:
+                    # stage 1: the exit's reduction is the one the window's last backward
+                    # launches without the block, and it votes as that backward would, so
+                    # peers that ran without the block agree (Note: backwards that reduce)
+                    self._agree_on_window("held")
                     self._reduce_local_gradients()
 
 

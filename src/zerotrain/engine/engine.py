@@ -132,10 +132,17 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         with self._timers.time("forward"):
             if self._auto_cast:
                 args, kwargs = self.policy.cast_inputs(args), self.policy.cast_inputs(kwargs)
+            trail, noted = self.comm.ledger.trail, 0
             if torch.is_grad_enabled():   # Note "step fingerprint" in comm/trail.py
-                self.comm.ledger.trail.note("forward", None, "engine forward")
+                trail.note("forward", None, "engine forward")
+                noted = trail.count
             self.tput_timer.start()
-            outputs = self.module(*args, **kwargs)
+            try:
+                outputs = self.module(*args, **kwargs)
+            except BaseException:   # Note "a forward that raises" in comm/trail.py
+                if noted:
+                    trail.withdraw(noted)
+                raise
         if torch.is_grad_enabled() and not self.inference_only:
             outputs = self._direct.gate(outputs)   # loss.backward() works too (its Note)
         return outputs

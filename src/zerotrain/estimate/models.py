@@ -27,8 +27,19 @@ import sys
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["ModelShape", "activation_bytes", "shape_from_hf_config", "shape_from_module",
+__all__ = ["MAX_DIMENSION", "ModelShape", "SequenceLengthError", "activation_bytes",
+           "check_positions", "position_table", "shape_from_hf_config", "shape_from_module",
            "shape_from_module_spec"]
+
+# The largest value of any one model dimension in a config (hidden size, layers, heads,
+# vocabulary, positions): 16M, far above any model trained; 4e9 would make figures and
+# tensor shapes no step could run.
+MAX_DIMENSION = 2**24
+
+
+class SequenceLengthError(ValueError):
+    """A sequence longer than the model's learned position table: the real step's position
+    lookup raises IndexError, so no estimate of it is made."""
 
 _GATED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2",
                              "granite", "phi3", "cohere", "stablelm", "internlm2", "yi",
@@ -47,6 +58,8 @@ class ModelShape:
     num_heads: Optional[int] = None
     vocab_size: Optional[int] = None
     description: str = ""
+    max_positions: Optional[int] = None   # rows of a learned position table, when it has one
+    positions_from: str = ""              # where max_positions comes from, for errors
 
     @property
     def has_transformer_shape(self) -> bool:
@@ -70,10 +83,31 @@ def _read_config(config: Any) -> tuple[dict, str]:
 def _int(cfg: Mapping, *keys: str, default: Optional[int] = None) -> int:
     for key in keys:
         if cfg.get(key) is not None:
-            return int(cfg[key])
+            return _dimension(key, cfg[key])
     if default is None:
         raise ValueError(f"model config has none of {', '.join(keys)}")
     return default
+
+
+def _dimension(key: str, value: Any) -> int:
+    """A config's dimension: a whole number in 1..``MAX_DIMENSION`` (4096.0 reads as 4096)."""
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer())
+    if not whole:
+        raise ValueError(f"model config {key} is {value!r}, not a whole number")
+    if not 1 <= value <= MAX_DIMENSION:
+        raise ValueError(f"model config {key} is {value!r}; it must lie in 1..{MAX_DIMENSION}")
+    return int(value)
+
+
+def _bounded(shape: ModelShape) -> ModelShape:
+    """``shape``, or ValueError when it counts more than ``MAX_PARAMS`` parameters."""
+    from .sizes import MAX_PARAMS, format_count
+
+    if shape.total_params > MAX_PARAMS:
+        raise ValueError(f"{shape.description}: {format_count(shape.total_params)} "
+                         f"parameters, more than {format_count(MAX_PARAMS)}")
+    return shape
 
 
 def _gpt2(cfg: Mapping, where: str) -> ModelShape:
@@ -81,13 +115,16 @@ def _gpt2(cfg: Mapping, where: str) -> ModelShape:
     h, layers, heads = _int(cfg, "n_embd", "hidden_size"), _int(cfg, "n_layer"), _int(cfg, "n_head")
     vocab = _int(cfg, "vocab_size")
     positions = _int(cfg, "n_positions", "max_position_embeddings", default=1024)
+    positions_key = next((k for k in ("n_positions", "max_position_embeddings")
+                          if cfg.get(k) is not None), "n_positions (default)")
     inner = _int(cfg, "n_inner", default=4 * h)
     tied = bool(cfg.get("tie_word_embeddings", True))
     qkv, proj, fc, fc_out = 3 * h * h + 3 * h, h * h + h, h * inner + inner, inner * h + h
     per_layer = 2 * h + qkv + proj + 2 * h + fc + fc_out
     total = vocab * h + positions * h + layers * per_layer + 2 * h + (0 if tied else vocab * h)
     largest = max(vocab * h, positions * h, qkv, fc, fc_out)
-    return ModelShape(total, largest, h, layers, heads, vocab, f"GPT-2 layout from {where}")
+    return ModelShape(total, largest, h, layers, heads, vocab, f"GPT-2 layout from {where}",
+                      max_positions=positions, positions_from=f"{positions_key} in {where}")
 
 
 def _llama(cfg: Mapping, where: str) -> ModelShape:
@@ -120,10 +157,10 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         raise ValueError(f"{where}: mixture-of-experts configs are not counted; pass "
                          "module:callable to build the model on the meta device instead")
     if "n_embd" in cfg or cfg.get("model_type") == "gpt2":
-        return _gpt2(cfg, where)
+        return _bounded(_gpt2(cfg, where))
     if {"hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads"} <= cfg.keys():
-        return _llama(cfg, where)
+        return _bounded(_llama(cfg, where))
     raise ValueError(f"{where}: cannot count model_type {cfg.get('model_type')!r}: expected "
                      "GPT-2 keys (n_embd, n_layer, n_head, vocab_size) or Llama-style keys "
                      "(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, "
@@ -190,8 +227,39 @@ def shape_from_module(model: Any, description: str = "module") -> ModelShape:
     largest = max((sum(p.numel() for p in m.parameters(recurse=bool(getattr(m, "_z3_leaf",
                                                                           False))))
                    for m in model.modules()), default=0)
-    return ModelShape(sum(seen.values()), largest, description=description,
-                      **_shape_fields(model))
+    table = position_table(model)
+    return _bounded(ModelShape(sum(seen.values()), largest, description=description,
+                               max_positions=table[1] if table else None,
+                               positions_from=f"its position table {table[0]}" if table else "",
+                               **_shape_fields(model)))
+
+
+_POSITION_NAMES = ("wpe", "pos")   # GPT-2's wpe; position_embeddings, embed_positions, pos_emb
+
+
+def position_table(model: Any) -> Optional[tuple[str, int]]:
+    """(name, positions) of ``model``'s learned position table: an ``nn.Embedding`` named
+    for positions (``wpe``, ``position_embeddings``, ``embed_positions``), less the rows it
+    offsets its positions by (OPT's 2); None for a model without one (rotary or relative
+    positions take any length)."""
+    import torch
+
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, torch.nn.Embedding) and any(p in last for p in _POSITION_NAMES):
+            offset = getattr(module, "offset", 0)
+            return name, module.num_embeddings - (offset if isinstance(offset, int) else 0)
+    return None
+
+
+def check_positions(seq_len: int, max_positions: Optional[int], source: str) -> None:
+    """Refuse ``seq_len`` beyond a learned position table of ``max_positions`` rows (named by
+    ``source``): the real step would raise IndexError looking position ``seq_len - 1`` up."""
+    if max_positions is not None and seq_len > max_positions:
+        raise SequenceLengthError(
+            f"{seq_len} tokens are more than the model's {max_positions} positions "
+            f"({source}); the real step raises IndexError at position {max_positions}. Use "
+            f"--seq-len {max_positions} or less")
 
 
 def shape_from_module_spec(spec: str) -> ModelShape:
@@ -216,6 +284,7 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, dtype
     ``fused_attention`` drops the ``5as/h`` score term, as FlashAttention-style kernels do."""
     if not shape.has_transformer_shape:
         raise ValueError("activation estimate needs hidden size, layers, heads and vocab size")
+    check_positions(seq_len, shape.max_positions, shape.positions_from)
     s, b, h = seq_len, micro_batch, shape.hidden_size
     a, layers, vocab = shape.num_heads, shape.num_layers, shape.vocab_size
     full_layer = s * b * h * (34 + (0 if fused_attention else 5 * a * s / h))

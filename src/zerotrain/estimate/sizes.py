@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_count", "format_gb", "parse_bytes", "parse_count"]
+__all__ = ["MAX_BYTES", "MAX_PARAMS", "format_count", "format_gb", "parse_bytes",
+           "parse_count"]
+
+# Sane bounds for what people type: a thousand times the largest models and machines
+# there are, and small enough that every figure derived from them stays exact enough and
+# finite (1e308T would be inf, and ``round(inf)`` raises).
+MAX_PARAMS = 10**15   # 1000T parameters
+MAX_BYTES = 10**18    # 1 EB of memory
 
 _COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _BYTE_UNITS = {
@@ -35,13 +42,17 @@ def _split(text: str) -> tuple[float, str]:
 def parse_count(text: str) -> int:
     """A parameter count: ``7B`` -> 7_000_000_000, ``1.3b``, ``350M``, ``125k``, ``7e9``.
 
-    Raises ValueError (naming the accepted suffixes) for anything else, and for counts < 1.
+    Raises ValueError (naming the accepted suffixes) for anything else, and for counts < 1
+    or above ``MAX_PARAMS``.
     """
     value, suffix = _split(text)
     if suffix not in _COUNT_SUFFIX:
         raise ValueError(f"{text!r}: unknown suffix {suffix!r}; use K, M, B or T "
                          "(e.g. 7B, 1.3B, 350M)")
-    count = round(value * _COUNT_SUFFIX[suffix])
+    scaled = value * _COUNT_SUFFIX[suffix]
+    if scaled > MAX_PARAMS:
+        raise ValueError(f"{text!r} is more than {format_count(MAX_PARAMS)} parameters")
+    count = round(scaled)
     if count < 1:
         raise ValueError(f"{text!r} is less than one parameter")
     return count
@@ -50,7 +61,8 @@ def parse_count(text: str) -> int:
 def parse_bytes(text: str) -> int:
     """A memory size in bytes: ``80GB`` -> 80 * 10^9, ``512GiB`` -> 512 * 2^30, ``1.5TB``.
 
-    Raises ValueError for a missing or unknown unit and for sizes <= 0.
+    Raises ValueError for a missing or unknown unit and for sizes <= 0 or above
+    ``MAX_BYTES``.
     """
     value, unit = _split(text)
     if unit == "":
@@ -59,7 +71,10 @@ def parse_bytes(text: str) -> int:
     if unit not in _BYTE_UNITS:
         known = ", ".join(u if len(u) == 2 or u == "B" else u[0] + "iB" for u in _BYTE_UNITS)
         raise ValueError(f"{text!r}: unknown unit {unit!r}; use one of {known}")
-    size = round(value * _BYTE_UNITS[unit])
+    scaled = value * _BYTE_UNITS[unit]
+    if scaled > MAX_BYTES:
+        raise ValueError(f"{text!r} is more than {MAX_BYTES // 10**18} EB (10^18 bytes)")
+    size = round(scaled)
     if size <= 0:
         raise ValueError(f"{text!r} must be more than 0 bytes")
     return size

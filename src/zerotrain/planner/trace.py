@@ -30,8 +30,12 @@ def run_step(spec: StepSpec, model: torch.nn.Module, tracker: PeakTracker,
     """``initialize``, then :data:`STEPS` forward, backward and optimizer steps under
     ``tracker``; returns the engine and the peak bytes within each phase. The process group
     must exist."""
+    from ..estimate.models import check_positions, position_table
     from ..initialize import initialize
 
+    table = position_table(model)   # fake tensors look no position up: refuse it here
+    if table is not None:
+        check_positions(spec.seq_len, table[1], f"{spec.model}: its position table {table[0]}")
     if spec.activation_checkpointing:
         if not hasattr(model, "gradient_checkpointing_enable"):
             raise ValueError(f"{spec.model}: activation checkpointing needs a model with "
@@ -87,20 +91,31 @@ def plan_peak(spec: StepSpec) -> StepPeak:
     """The predicted peak of one step of ``spec`` on rank 0 (no memory allocated)."""
     tracker = _FakeTracker()
     with fake_world(0, spec.world, spec.backend):
-        model = build_model(spec)
+        try:
+            model = build_model(spec)
+        except (ValueError, OSError):
+            raise
+        except Exception as exc:   # noqa: BLE001 - transformers' or the user's own refusal
+            raise ValueError(f"{spec.model}: the model could not be built ({type(exc).__name__}"
+                             f": {_first_line(exc)})") from exc
         try:
             engine, phases = run_step(spec, model, tracker)
         except (ValueError, OSError):
             raise
         except Exception as exc:   # noqa: BLE001 - any failure of the traced step
             raise PlanError(f"{spec.model}: the step could not be traced on fake tensors "
-                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); "
+                            f"({type(exc).__name__}: {_first_line(exc)}); "
                             "a model whose shapes depend on its data (mixture-of-experts "
                             "routing, nonzero) cannot be traced") from exc
         breakdown = breakdown_at_peak(tracker, engine)
         with contextlib.suppress(Exception):
             engine.destroy()
     return StepPeak(spec, tracker.peak, tracker.where, breakdown, phases)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:300]
 
 
 # --------------------------------------------------------------------------- --fit

@@ -9,16 +9,25 @@ Note: one batch per group
     batch"). DeepSpeed broadcasts the first forward's arguments from the group's first
     rank, compares them on every other rank (tensors with ``torch.equal``, other values
     with ``!=``, Hugging Face caches by type only) and fails the group with an assertion.
-    Here each rank sends a digest of the same top-level values instead of the tensors
-    themselves: a SHA-256 of each tensor's bytes with its dtype and shape, the value of a
-    number, string or None, the type of anything else. One ``all_gather_object`` over the
-    group gives every rank every digest, so all ranks of a group raise together, and the
-    error names the ranks whose inputs differ from the first rank's, and which argument.
+    Here each rank sends a digest of every value the call was given instead of the tensors
+    themselves, followed into nested dicts (and other mappings: a Hugging Face
+    ``BatchEncoding``), lists, tuples and dataclasses, positional and keyword arguments
+    alike: a SHA-256 of each tensor's (or NumPy array's) bytes with its dtype and shape,
+    the value of a number, bool or None, a string itself or, when long, its SHA-256, the
+    type and length of each container, the type of anything else (a cache object). A
+    batch passed as ``model(batch)`` or ``model(**batch)`` is checked to its last tensor.
+    One ``all_gather_object`` over the group gives every rank every digest, so all ranks
+    of a group raise together, and the error names the ranks whose inputs differ from the
+    first rank's, and where (``args[0]['input_ids']``). Cost: one hash pass over the
+    first batch's bytes and one small gather, once; past ``_MAX_ENTRIES`` values the rest
+    are folded into one digest.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -26,28 +35,87 @@ from torch import nn
 from ..comm.communicator import Communicator
 from ..errors import ZeroTrainError
 
-_PLAIN = (bool, int, float, str, type(None))
+_NUMBERS = (bool, int, float, complex, type(None))
+_MAX_ENTRIES = 256   # digests sent per rank; the rest are folded into one
+_MAX_DEPTH = 32      # containers followed this deep (deeper: by type)
+_SHORT = 64          # strings up to this long are sent as they are
 
 
 class TensorParallelInputError(ZeroTrainError, ValueError):
     """The ranks of one tensor-parallel group were given different inputs."""
 
 
-def _digest(value: Any) -> str:
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _tensor_digest(value: torch.Tensor) -> str:
+    head = f"tensor {str(value.dtype).replace('torch.', '')} {tuple(value.shape)}"
+    if value.device.type == "meta" or value.layout != torch.strided:
+        return f"{head} on {value.device.type}, {value.layout}"
+    data = value.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return f"{head} sha256 {_sha(data.numpy().tobytes())}"
+
+
+def _leaf(value: Any) -> Optional[str]:
+    """The digest of a value that is not a container; None for a container."""
     if isinstance(value, torch.Tensor):
-        data = value.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-        return (f"tensor {str(value.dtype).replace('torch.', '')} {tuple(value.shape)} "
-                f"sha256 {hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]}")
-    if isinstance(value, _PLAIN):
+        return _tensor_digest(value)
+    if isinstance(value, _NUMBERS):
         return repr(value)
-    return f"a {type(value).__name__}"
+    if isinstance(value, (str, bytes)):
+        if len(value) <= _SHORT:
+            return repr(value)
+        data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+        return f"{type(value).__name__} of {len(value)} sha256 {_sha(data)}"
+    if type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
+        return (f"numpy {getattr(value, 'dtype', '')} {getattr(value, 'shape', ())} sha256 "
+                f"{_sha(value.tobytes())}")
+    if isinstance(value, (Mapping, list, tuple)) or (is_dataclass(value)
+                                                     and not isinstance(value, type)):
+        return None
+    return f"a {type(value).__name__}"   # a cache, a config: by type, as DeepSpeed does
+
+
+def _walk(value: Any, path: str, out: dict[str, str], depth: int, inside: set) -> None:
+    digest = _leaf(value)
+    if digest is not None:
+        out[path] = digest
+        return
+    kind = type(value).__name__
+    if depth >= _MAX_DEPTH or id(value) in inside:
+        out[path] = f"a {kind} (not followed)"
+        return
+    inside.add(id(value))
+    if isinstance(value, Mapping):
+        items = sorted(((repr(k), v) for k, v in value.items()), key=lambda kv: kv[0])
+        children = [(f"{path}[{k}]", v) for k, v in items]
+    elif isinstance(value, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:   # a dataclass instance
+        children = [(f"{path}.{f.name}", getattr(value, f.name, None)) for f in fields(value)]
+    out[path] = f"a {kind} of {len(children)}"
+    for child_path, child in children:
+        _walk(child, child_path, out, depth + 1, inside)
+    inside.discard(id(value))
 
 
 def input_digests(args: tuple, kwargs: dict) -> dict[str, str]:
-    """``{"args[i]" | "name": digest}`` of the top-level arguments of one call."""
-    out = {f"args[{i}]": _digest(value) for i, value in enumerate(args)}
-    out.update((name, _digest(kwargs[name])) for name in sorted(kwargs))
-    return out
+    """``{path: digest}`` of every value of one call: ``args[i]`` and keyword names, and
+    below them the values inside containers (``args[0]['input_ids']``, ``batch.mask``), in
+    a fixed order; past ``_MAX_ENTRIES`` the rest are one digest (Note "one batch per
+    group")."""
+    out: dict[str, str] = {}
+    for i, value in enumerate(args):
+        _walk(value, f"args[{i}]", out, 0, set())
+    for name in sorted(kwargs):
+        _walk(kwargs[name], name, out, 0, set())
+    if len(out) <= _MAX_ENTRIES:
+        return out
+    kept = list(out.items())[:_MAX_ENTRIES - 1]
+    rest = list(out.items())[_MAX_ENTRIES - 1:]
+    folded = _sha("".join(f"{k}={v};" for k, v in rest).encode())
+    return dict(kept + [(f"{rest[0][0]} and {len(rest) - 1} values after it", folded)])
 
 
 def check_same_inputs(tp: Communicator, args: tuple, kwargs: dict) -> None:
@@ -58,7 +126,7 @@ def check_same_inputs(tp: Communicator, args: tuple, kwargs: dict) -> None:
     first = everyone[0]
     differ = {}
     for tp_rank, digests in enumerate(everyone[1:], start=1):
-        names = sorted(set(first) | set(digests))
+        names = list(first) + [n for n in digests if n not in first]
         wrong = [n for n in names if first.get(n) != digests.get(n)]
         if wrong:
             differ[tp.ranks[tp_rank]] = wrong[0]

@@ -5,7 +5,6 @@ as FSDP2 does."""
 import os
 
 import pytest
-import torch
 
 import reference as R
 

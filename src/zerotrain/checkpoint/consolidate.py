@@ -13,7 +13,9 @@ to its file, and ``config.json`` when the manifest recorded the model's config. 
 ``output_dir`` ending in ``.safetensors`` gets one file instead.
 
 A DeepSpeed ZeRO checkpoint (recognised by ``deepspeed.find_tag_dir``) is read by
-``deepspeed.DeepSpeedExport`` and written the same way.
+``deepspeed.DeepSpeedExport`` and written the same way. The output is written aside and
+renamed in whole, never inside the checkpoint it reads (Note: exports write like saves, in
+``export_target.py``).
 """
 from __future__ import annotations
 
@@ -167,14 +169,14 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
     if deepspeed_path is not None:
         source = DeepSpeedExport(deepspeed_path)
         return write_hf(source.specs(), source.read, output_dir, max_shard_size,
-                        hf_config=source.hf_config(), source=checkpoint_dir)
+                        hf_config=source.hf_config(), source=deepspeed_path)
     path = resolve_checkpoint(checkpoint_dir, tag)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
     with Reader(path, on_open=file_identity_check(manifest, path)) as reader:
         return write_hf(export_specs(manifest), lambda spec: read_full(index, reader, spec),
                         output_dir, max_shard_size, hf_config=manifest.get("hf_config"),
-                        source=checkpoint_dir)
+                        source=path)
 
 
 def write_hf(specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor],

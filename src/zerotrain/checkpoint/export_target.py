@@ -2,9 +2,12 @@
 
 Note: exports write like saves
     An export (``zerotrain consolidate`` to Hugging Face, torch DCP or DeepSpeed) reads one
-    checkpoint and writes another. Its output may not be the source, inside it or around it
-    (compared after resolving symlinks; :func:`check_apart`), so an export can never write
-    over what it reads. Its files are written into a temporary folder beside the target
+    checkpoint and writes another. Its output may not be the tag folder it reads, lie inside
+    it or contain it (compared after resolving symlinks; :func:`check_apart`), so an export
+    can never write over what it reads: ``consolidate ckpt ckpt`` is refused (``ckpt``
+    holds the tag), while an output beside the tag in the save directory
+    (``python zero_to_fp32.py . out``, DeepSpeed's documented use, which the recovery script
+    keeps) is not. Its files are written into a temporary folder beside the target
     (``.tmp-<name>-<nonce>``), fsynced, and moved in by the save's own publication
     (``fs.publish``: an existing target moved aside, the new one renamed in, the old one
     deleted, the directory fsynced), so a failed or killed export leaves the earlier output
@@ -35,8 +38,9 @@ from .stfile import fsync_dir
 
 
 def check_apart(source: str, output: str) -> None:
-    """Refuse an output that is the source, lies inside it, or contains it (symlinks
-    resolved): writing it would replace or mix with the checkpoint being read."""
+    """Refuse an output that is ``source`` (the tag folder an export reads), lies inside it,
+    or contains it (symlinks resolved): writing it would replace or mix with the checkpoint
+    being read."""
     src, out = os.path.realpath(source), os.path.realpath(output)
     if src == out:
         raise CheckpointError(f"the output {output} is the checkpoint {source} itself; "

@@ -16,7 +16,8 @@ written; the folder is written aside and renamed in (Note: exports write like sa
 
 Note: the optimizer's two names
     What the optimizer's state dict is called at the top is the saving code's choice:
-    torchtitan and Accelerate use ``optimizer``, torch's DCP recipe ``optim``. The bytes
+    torchtitan and Accelerate use ``optimizer``, others ``optim`` (as torch's DCP recipe
+    names it beside ``model``). The bytes
     are written once, under ``optimizer``; ``.metadata`` also lists each of them under
     ``optim`` (the same file, offset and length), so ``dcp.load`` finds either name.
 """
@@ -36,7 +37,7 @@ from ..reshard import SourceIndex
 from ..stfile import Reader
 
 OPTIMIZER_KEY = "optimizer"   # torchtitan's and Accelerate's name for it
-ALIAS_KEY = "optim"           # the name torch's DCP recipe uses
+ALIAS_KEY = "optim"           # the name torch's DCP recipe gives it beside "model"
 
 
 def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None) -> list[str]:
@@ -45,7 +46,7 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None) 
     import torch.distributed.checkpoint as dcp
 
     path = resolve_checkpoint(checkpoint_dir, tag)
-    check_apart(checkpoint_dir, output_dir)
+    check_apart(path, output_dir)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
     model: dict[str, torch.Tensor] = {}
@@ -77,7 +78,7 @@ def export_dcp(checkpoint_dir: str, output_dir: str, tag: Optional[str] = None) 
         group["params"] = sorted(members.get(i, []), key=lambda n: order.get(n, len(order)))
         groups.append(group)
     state_dict = {"model": model, OPTIMIZER_KEY: {"state": state, "param_groups": groups}}
-    with replacing_folder(checkpoint_dir, output_dir, _dcp_owned, "torch DCP") as tmp:
+    with replacing_folder(path, output_dir, _dcp_owned, "torch DCP") as tmp:
         dcp.save(state_dict, storage_writer=_aliasing_writer(tmp), no_dist=True)
         names = sorted(os.listdir(tmp))
     return [os.path.join(output_dir, n) for n in names]

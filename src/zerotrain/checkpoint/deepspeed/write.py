@@ -11,10 +11,11 @@ Note: what DeepSpeed 0.19's loader needs
     (``single_partition_of_fp32_groups``) and the base optimizer's ``state_dict()`` over the
     partitions (the "rigid" form: Adam's moments as partitions, ``step``, the group
     hyperparameters), ``zero_stage``, ``partition_count``, ``group_paddings`` and a
-    ``ds_version`` its loader checks. As DeepSpeed saves them, the partitions are "lean":
-    the last rank's partition and moments leave out the group's padding (its
-    ``group_paddings`` entry, 0 on the other ranks); DeepSpeed's loader pads them back and
-    its ``zero_to_fp32`` concatenates the ranks' partitions and walks ``param_shapes``
+    ``ds_version`` its loader checks. As DeepSpeed saves them, the fp32 partitions are
+    "lean": the last rank's leaves out the group's padding (its ``group_paddings`` entry, 0
+    on the other ranks), while Adam's moments keep the whole partition (DeepSpeed's loader
+    pads the fp32 partition back and hands the moments to torch's ``load_state_dict`` as
+    they are). DeepSpeed's ``zero_to_fp32`` concatenates the ranks' partitions and walks ``param_shapes``
     through them, so the concatenation must be the group's elements, padded at most to the
     next multiple of ``2*M``. Stage 2 also keeps each frozen parameter whole in
     ``frozen_param_fragments`` (``zero_to_fp32`` reads frozen parameters from there).
@@ -56,7 +57,7 @@ def export_deepspeed(checkpoint_dir: str, output_dir: str, *, stage: int, world_
     if world_size < 1:
         raise CheckpointError(f"--world-size must be at least 1, got {world_size}")
     path = resolve_checkpoint(checkpoint_dir, tag)
-    check_apart(checkpoint_dir, output_dir)
+    check_apart(path, output_dir)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
     saved_groups = manifest["optimizer"]["param_groups"]
@@ -67,13 +68,13 @@ def export_deepspeed(checkpoint_dir: str, output_dir: str, *, stage: int, world_
                              for spec in export_specs(manifest))
         if stage == 3:
             from .write3 import write_zero3
-            with publishing_tag(checkpoint_dir, output_dir, out_tag) as tag_dir:
+            with publishing_tag(path, output_dir, out_tag) as tag_dir:
                 names = write_zero3(index, reader, manifest, module, members, tag_dir,
                                     world_size)
             return _written(output_dir, out_tag, names)
         flats = [_flat_group(index, reader, module, names, world_size) for names in members]
     states = model_states(manifest, module, members, world_size)
-    with publishing_tag(checkpoint_dir, output_dir, out_tag) as tag_dir:
+    with publishing_tag(path, output_dir, out_tag) as tag_dir:
         names = [save_file(states, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))]
         for rank in range(world_size):
             names.append(save_file(_optim_states(saved_groups, flats, rank, world_size, stage),
@@ -181,10 +182,8 @@ def _optim_states(saved_groups: list[dict], flats: list[dict], rank: int, world:
     state, groups, partitions = {}, [], []
     for g, (saved, flat) in enumerate(zip(saved_groups, flats)):
         size = flat["partition"]
-        lean = size - _padding(flat, rank, world)
-        part = {k: v[rank * size:rank * size + lean].clone()
-                for k, v in flat["tensors"].items()}
-        partitions.append(part.pop("master"))
+        part = {k: v[rank * size:(rank + 1) * size].clone() for k, v in flat["tensors"].items()}
+        partitions.append(part.pop("master")[:size - _padding(flat, rank, world)].clone())
         if flat["step"] is not None:
             part = {"step": torch.tensor(flat["step"], dtype=torch.float32), **part}
         state[g] = part

@@ -15,16 +15,17 @@ Note: what DeepSpeed 0.19's loader needs
     "lean": the last rank's leaves out the group's padding (its ``group_paddings`` entry, 0
     on the other ranks), while Adam's moments keep the whole partition (DeepSpeed's loader
     pads the fp32 partition back and hands the moments to torch's ``load_state_dict`` as
-    they are). DeepSpeed's ``zero_to_fp32`` concatenates the ranks' partitions and walks ``param_shapes``
-    through them, so the concatenation must be the group's elements, padded at most to the
-    next multiple of ``2*M``. Stage 2 also keeps each frozen parameter whole in
-    ``frozen_param_fragments`` (``zero_to_fp32`` reads frozen parameters from there).
-    DeepSpeed's own class instances (loss scaler, slice mappings) are left out and
-    ``zero_stage`` is a plain int (DeepSpeed pickles its ``ZeroStageEnum``, an int): its
-    loader keeps its configured ones when they are missing, so the files hold only tensors,
-    dicts, lists and numbers (``torch.load(weights_only=True)`` reads them), and DeepSpeed
-    need not be installed to write them. The tag is written aside and published as a save
-    publishes one (Note: exports write like saves, in ``export_target.py``).
+    they are). DeepSpeed's ``zero_to_fp32`` concatenates the ranks' partitions and walks
+    ``param_shapes`` through them, so the concatenation must be the group's elements,
+    padded at most to the next multiple of ``2*M``. Each frozen parameter is also kept whole
+    in ``frozen_param_fragments``, as DeepSpeed's stage 2 saves it (``zero_to_fp32`` reads
+    frozen parameters from there). DeepSpeed's own class instances (loss scaler, slice
+    mappings) are left out, as its loader keeps its configured ones when they are missing,
+    and ``zero_stage`` is a plain int (DeepSpeed pickles its ``ZeroStageEnum``, an int
+    enum); so the files hold only tensors, dicts, lists and numbers
+    (``torch.load(weights_only=True)`` reads them), and DeepSpeed need not be installed to
+    write them. The tag is written aside and published as a save publishes one (Note:
+    exports write like saves, in ``export_target.py``).
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def model_states(manifest: dict, module: dict, members: list[list[str]], world: 
                                            if e["name"] not in in_groups
                                            and e["name"] in module),
         "shared_params": {},
-        # stage 2 saves each frozen parameter whole here; DeepSpeed's zero_to_fp32 reads
+        # DeepSpeed's stage 2 saves each frozen parameter whole here; its zero_to_fp32 reads
         # them from it (an entry of frozen_param_shapes without one is a KeyError there)
         "frozen_param_fragments": OrderedDict((e["name"], module[e["name"]]) for e in frozen
                                               if e["name"] not in in_groups

@@ -5,7 +5,6 @@ as FSDP2 does."""
 import os
 
 import pytest
-import torch
 
 import reference as R
 
@@ -109,3 +108,73 @@ def test_dcp_both_ways_continues_equal_to_fsdp2_at_another_world_size(worlds, tm
     for res in worlds.run(3, _continue_both, root, stage):
         assert res["export"] <= 1e-6 and res["import"] <= 1e-6, res
         assert res["steps"] == 2 and res["path"] == "fsdp", res
+
+
+def _moments_zerotrain(engine):
+    from zerotrain.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[f"{name}.weight"] = safe_get_full_fp32_param(p).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).clone()
+    return out
+
+
+def _moments_fsdp(model, opt):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True)
+    weights = _fsdp_params(model)
+    osd = get_optimizer_state_dict(model, opt, options=full)
+    out = {}
+    for name in weights:
+        out[f"{name}.weight"] = weights[name]
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{key}"] = osd["state"][name][key].clone()
+    return out, {name: float(osd["state"][name]["step"]) for name in weights}
+
+
+def _fsdp_own_loaders(rank, world, root, key):
+    """FSDP2's own loading code, each state dict on its own: ``get_model_state_dict`` /
+    ``get_optimizer_state_dict``, ``dcp.load`` keyed ``{"model", key}``, then
+    ``set_model_state_dict`` / ``set_optimizer_state_dict``; compared with zerotrain
+    resuming its own checkpoint, before and after one more step on both sides. Then the
+    other way: FSDP2's checkpoint (saved under the same keys) loads into zerotrain."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    engine = _zerotrain(2, seed=4)
+    engine.load_checkpoint(os.path.join(root, "zt"))
+    model, opt = _fsdp(seed=5)
+    state = {"model": get_model_state_dict(model), key: get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=os.path.join(root, "zt_dcp"))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state[key])
+    fsdp, steps = _moments_fsdp(model, opt)
+    out = {"loaded": R.max_diff(_moments_zerotrain(engine), fsdp), "steps": steps}
+    _zt_train(engine, rank, 2, 1)
+    _fsdp_train(model, opt, rank, 2, 1)
+    out["stepped"] = R.max_diff(_moments_zerotrain(engine), _moments_fsdp(model, opt)[0])
+    dcp.save({"model": get_model_state_dict(model), key: get_optimizer_state_dict(model, opt)},
+             checkpoint_id=os.path.join(root, f"fsdp_{key}"))
+    back = _zerotrain(2, seed=6)
+    back.load_checkpoint(os.path.join(root, f"fsdp_{key}"))
+    out["imported"] = R.max_diff(_moments_zerotrain(back), _moments_fsdp(model, opt)[0])
+    out["imported_steps"] = back.global_steps
+    return out
+
+
+def test_dcp_export_loads_through_fsdp2_model_and_optimizer_state_dict_helpers(worlds,
+                                                                              tmp_path):
+    from zerotrain.cli import main
+    root = str(tmp_path)
+    worlds.run(2, _save_both, root)
+    assert main(["consolidate", os.path.join(root, "zt"), os.path.join(root, "zt_dcp"),
+                 "--to", "dcp"]) == 0
+    for key in ("optim", "optimizer"):      # torch's DCP recipe names it optim, torchtitan
+        for res in worlds.run(2, _fsdp_own_loaders, root, key):    # optimizer
+            assert res["loaded"] == 0.0 and res["stepped"] <= 1e-6, (key, res)
+            assert set(res["steps"].values()) == {2.0}, res
+            assert res["imported"] == 0.0 and res["imported_steps"] == 3, (key, res)

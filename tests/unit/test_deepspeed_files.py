@@ -65,6 +65,51 @@ def test_consolidate_copies_the_hf_config_beside_latest(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["hidden"] == 7
 
 
+def _files(folder) -> dict:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def test_consolidate_replaces_an_earlier_export_whole_and_never_half_writes(tmp_path,
+                                                                           monkeypatch):
+    """A re-export replaces the folder whole (no shard of the earlier one stays); a folder
+    holding files an export does not write is refused; a failed export leaves the earlier
+    output as it was and no temporary file; an output inside the source is refused."""
+    from zerotrain.checkpoint import consolidate
+    source = os.path.join(M.DEFAULT_OUT, "z2_fp32_w2", "checkpoint")
+    out = tmp_path / "hf"
+    assert consolidate_main([source, str(out), "--max-shard-size", "100B"]) == 0
+    assert len(os.listdir(out)) > 3
+    assert consolidate_main([source, str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["model-00001-of-00001.safetensors",
+                                       "model.safetensors.index.json"]
+    single = tmp_path / "model.safetensors"
+    assert consolidate_main([source, str(single)]) == 0
+    before, single_bytes = _files(out), single.read_bytes()
+    writes = []
+    real_write = consolidate.write_file
+
+    def failing_write(path, *args, **kwargs):   # the disk fills up during the export
+        writes.append(path)
+        if len(writes) % 2 == 0:
+            raise OSError(28, "No space left on device", path)
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(consolidate, "write_file", failing_write)
+    assert consolidate_main([source, str(out), "--max-shard-size", "100B"]) == 1
+    writes.append("-")     # the single file fails at its first write
+    assert consolidate_main([source, str(single)]) == 1
+    assert _files(out) == before and single.read_bytes() == single_bytes
+    assert sorted(os.listdir(tmp_path)) == ["hf", "model.safetensors"]
+    monkeypatch.setattr(consolidate, "write_file", real_write)
+    (out / "tokenizer.json").write_text("{}")
+    assert consolidate_main([source, str(out)]) == 1
+    assert (out / "tokenizer.json").exists() and len(os.listdir(out)) == 3
+    copy = _copy(tmp_path, "z2_fp32_w2")
+    assert consolidate_main([copy, os.path.join(copy, TAG, "hf")]) == 1
+    assert consolidate_main([copy, copy]) == 1
+    assert not os.path.exists(os.path.join(copy, TAG, "hf"))
+
+
 def test_without_optimizer_files_the_module_weights_are_exported(tmp_path):
     save_dir = _copy(tmp_path, "z2_fp32_w2")
     for rank in (0, 1):

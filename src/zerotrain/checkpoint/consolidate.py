@@ -13,7 +13,9 @@ to its file, and ``config.json`` when the manifest recorded the model's config. 
 ``output_dir`` ending in ``.safetensors`` gets one file instead.
 
 A DeepSpeed ZeRO checkpoint (recognised by ``deepspeed.find_tag_dir``) is read by
-``deepspeed.DeepSpeedExport`` and written the same way.
+``deepspeed.DeepSpeedExport`` and written the same way. The output is written aside and
+renamed in whole, never inside the checkpoint it reads (Note: exports write like saves, in
+``export_target.py``).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 
 from . import fs
 from .deepspeed import DeepSpeedExport, find_tag_dir
+from .export_target import replacing_file, replacing_folder
 from .manifest import MANIFEST_NAME, CheckpointError, file_identity_check, read_manifest
 from .reshard import SourceIndex
 from .stfile import DTYPES_BY_NAME, Reader, TensorSpec, write_file
@@ -166,44 +169,51 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
     if deepspeed_path is not None:
         source = DeepSpeedExport(deepspeed_path)
         return write_hf(source.specs(), source.read, output_dir, max_shard_size,
-                        hf_config=source.hf_config())
+                        hf_config=source.hf_config(), source=deepspeed_path)
     path = resolve_checkpoint(checkpoint_dir, tag)
     manifest = read_manifest(path)
     index = SourceIndex(manifest)
     with Reader(path, on_open=file_identity_check(manifest, path)) as reader:
         return write_hf(export_specs(manifest), lambda spec: read_full(index, reader, spec),
-                        output_dir, max_shard_size, hf_config=manifest.get("hf_config"))
+                        output_dir, max_shard_size, hf_config=manifest.get("hf_config"),
+                        source=path)
 
 
 def write_hf(specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor],
              output_dir: str, max_shard_size: Union[int, str] = "5GB", *,
-             hf_config: Optional[dict] = None) -> list[str]:
+             hf_config: Optional[dict] = None, source: str) -> list[str]:
     """Write ``specs`` (each made by ``produce``, one alive at a time) as Hugging Face
     shards plus index and ``config.json``, or as one file when ``output_dir`` ends in
-    ``.safetensors``."""
+    ``.safetensors``; written aside and renamed in whole, never inside ``source`` (Note:
+    exports write like saves, in ``export_target.py``)."""
     if output_dir.endswith(".safetensors"):
-        os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
-        write_file(output_dir, specs, produce, metadata={"format": "pt"})
+        with replacing_file(source, output_dir) as tmp:
+            write_file(tmp, specs, produce, metadata={"format": "pt"})
         return [output_dir]
     shards = plan_shards(specs, parse_size(max_shard_size))
-    os.makedirs(output_dir, exist_ok=True)
-    written, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        target = os.path.join(output_dir, filename)
-        write_file(target, shard, produce, metadata={"format": "pt"})
-        weight_map.update({spec.key: filename for spec in shard})
-        written.append(target)
-    index_json = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                  "weight_map": weight_map}
-    written.append(_write_json(os.path.join(output_dir, INDEX_NAME), index_json))
-    if hf_config:
-        written.append(_write_json(os.path.join(output_dir, "config.json"), hf_config))
-    return written
+    names, weight_map = [], {}
+    with replacing_folder(source, output_dir, _hf_owned, "Hugging Face") as tmp:
+        for i, shard in enumerate(shards):
+            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_file(os.path.join(tmp, filename), shard, produce, metadata={"format": "pt"})
+            weight_map.update({spec.key: filename for spec in shard})
+            names.append(filename)
+        index_json = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                      "weight_map": weight_map}
+        names.append(_write_json(tmp, INDEX_NAME, index_json))
+        if hf_config:
+            names.append(_write_json(tmp, "config.json", hf_config))
+    return [os.path.join(output_dir, name) for name in names]
 
 
-def _write_json(path: str, value: dict) -> str:
-    with open(path, "w", encoding="utf-8") as f:
+def _hf_owned(name: str) -> bool:
+    """A file a Hugging Face export writes (an earlier export's may be replaced)."""
+    return name in (INDEX_NAME, "config.json") or re.fullmatch(
+        r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
+
+
+def _write_json(folder: str, name: str, value: dict) -> str:
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
         json.dump(value, f, indent=2)
         f.write("\n")
-    return path
+    return name

@@ -35,7 +35,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..fs import write_latest
 from ..reshard import SourceIndex
 from ..stfile import Reader
 from .write import DS_VERSION, group_state, model_states, save_file
@@ -53,9 +52,10 @@ class _SubGroup:
 
 
 def write_zero3(index: SourceIndex, reader: Reader, manifest: dict, module: dict,
-                members: list[list[str]], output_dir: str, world: int) -> list[str]:
-    """Write the stage 3 files of tag ``global_step<N>`` and ``latest`` (Note above);
-    ``members`` are each optimizer group's trainable parameters in flattening order."""
+                members: list[list[str]], tag_dir: str, world: int) -> list[str]:
+    """Write the stage 3 files of a tag into the (temporary) folder ``tag_dir`` (Note
+    above); ``members`` are each optimizer group's trainable parameters in flattening
+    order. Returns the paths written."""
     empty = {n for names in members for n in names if module[n].numel() == 0}
     members = [[n for n in names if n not in empty] for names in members]
     trainable = {n for names in members for n in names}
@@ -75,9 +75,6 @@ def write_zero3(index: SourceIndex, reader: Reader, manifest: dict, module: dict
     base["module"] = OrderedDict(
         (n, torch.empty(0, dtype=t.dtype) if n in params else t)
         for n, t in module.items())
-    counters = manifest["counters"]
-    tag_dir = os.path.join(output_dir, f"global_step{counters['global_steps']}")
-    os.makedirs(tag_dir, exist_ok=True)
     scaler = _loss_scaler(manifest.get("loss_scaler"))
     written = []
     for rank in range(world):
@@ -88,8 +85,7 @@ def write_zero3(index: SourceIndex, reader: Reader, manifest: dict, module: dict
         optim = _optim_states(manifest["optimizer"]["param_groups"], groups, steps, rank,
                               world, scaler)
         written.append(save_file(optim, prefix + "optim_states.pt", pickler=True))
-    write_latest(output_dir, os.path.basename(tag_dir), "deepspeed")
-    return written + [os.path.join(output_dir, "latest")]
+    return written
 
 
 def _chunk(tensor: torch.Tensor, world: int) -> int:

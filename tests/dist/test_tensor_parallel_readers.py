@@ -90,12 +90,30 @@ def _job(rank, world, family, stage):
             values[n] = whole(n, local)
         return values
 
+    def optimizer_views():
+        """DeepSpeed's optimizer attributes hold the same slices: the whole averaged
+        gradient flat, this data-parallel rank's chunk of each, the masters the inner
+        optimizer steps."""
+        grads = [safe_get_full_grad(p).reshape(-1) for p in params.values()]
+        flat = engine.optimizer.fp32_groups_gradients_flat
+        chunks = engine.optimizer.averaged_gradients
+        dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
+        ok = len(flat) == 1 and torch.equal(flat[0], torch.cat(grads)) and list(chunks) == [0]
+        for g, chunk in zip(grads, chunks[0]):
+            k = -(-g.numel() // dp)
+            padded = torch.cat([g, g.new_zeros(k * dp - g.numel())])
+            ok = ok and torch.equal(chunk, padded[dp_rank * k:(dp_rank + 1) * k])
+        masters = engine.optimizer.fp32_partitioned_groups_flat   # the inner state's keys
+        inner = engine.optimizer.optimizer.state
+        return ok and len(chunks[0]) == len(grads) and all(m in inner for m in masters)
+
     def train(step, halve=None):
         ids = _batch(step, engine.get_data_parallel_rank())
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         if step == 0:
             out["grads"] = read(safe_get_full_grad)
             out["norms"] = [float(n) for n in engine.optimizer._get_norm_groups()]
+            out["views"] = optimizer_views()
         if halve is not None:
             safe_set_full_grad(params[halve], safe_get_full_grad(params[halve]) * 0.5)
         engine.step()
@@ -201,6 +219,7 @@ def test_tp_readers_and_writers_work_on_the_ranks_slice(worlds, world):
                 diff = _max_diff(out[key], ref[key])
                 assert diff < 1e-5, (where, key, diff)
             assert out["norms"] == pytest.approx([ref["norm"]], rel=1e-5), where
+            assert out["views"], where
             split_name, _ = _names(family)
             local = tuple(s // 2 if i == (1 if family == "gpt2" else 0) else s
                           for i, s in enumerate(ref["params"][split_name].shape))

@@ -52,7 +52,7 @@ def _names(family):
     return "transformer.h.0.attn.c_attn.weight", "transformer.wte.weight"   # fused q, k, v
 
 
-def _job(rank, world, family, stage):
+def _job(rank, world, family, stage, save_to=None):
     import torch.distributed as dist
 
     import zerotrain
@@ -123,6 +123,8 @@ def _job(rank, world, family, stage):
     out["params"] = read(safe_get_full_fp32_param)
     out["exp_avg"] = read(safe_get_full_optimizer_state, "exp_avg")
     out["exp_avg_sq"] = read(safe_get_full_optimizer_state, "exp_avg_sq")
+    if save_to is not None:   # a save leaves the checkpoints' view behind: the writes win
+        engine.save_checkpoint(save_to, tag="before writes")
 
     split_name, whole_name = _names(family)
     spec, split = spec_of(split_name), params[split_name]
@@ -201,15 +203,16 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _all(rank, world):
-    return {case: _job(rank, world, *case) for case in CASES}
+def _all(rank, world, path):
+    return {case: _job(rank, world, *case, save_to=path if case == CASES[0] else None)
+            for case in CASES}
 
 
 @pytest.mark.parametrize("world", [4, 2])
-def test_tp_readers_and_writers_work_on_the_ranks_slice(worlds, world):
+def test_tp_readers_and_writers_work_on_the_ranks_slice(worlds, world, tmp_path):
     dp = world // 2
     refs = {family: _reference(family, dp) for family in {f for f, _ in CASES}}
-    for rank, results in enumerate(worlds.run(world, _all)):
+    for rank, results in enumerate(worlds.run(world, _all, str(tmp_path))):
         for (family, stage), out in results.items():
             where = (world, rank, family, stage)
             ref = refs[family]

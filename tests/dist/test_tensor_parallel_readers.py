@@ -4,8 +4,9 @@ T=2 x DP=2 and T=2 x DP=1: a split parameter's value is the rank's slice, whole 
 the data-parallel ranks, a replicated one the whole tensor. The slices gathered over
 the tensor-parallel group equal a one-process run on the global batch (parameters,
 gradients, Adam's moments, the per-group gradient norm); values written through the
-setters change exactly the rank's slice and training goes on from them as one process
-goes on from the same values."""
+setters change exactly the rank's slice (after a ``save_checkpoint`` too, whose gathered
+view must not come back over them) and training goes on from them as one process goes on
+from the same values."""
 import pytest
 import torch
 

@@ -7,6 +7,12 @@ shard (``flat.py``: rank r owns chunk r of every parameter), so the full value i
 concatenation of every rank's chunk. They are collective when the shards differ between
 ranks (stages 1-3): every rank must call them, for the same parameter, in the same order.
 They find the engine through the parameter, so call them after ``initialize``.
+
+Under tensor parallelism (``tensor_parallel.autotp_size``) they work in the shape the
+rank's module holds, as DeepSpeed's AutoTP does: a split parameter's value is the rank's
+slice, whole across the data-parallel ranks (a script all-gathers the slices over its
+tensor-parallel group), a replicated one the whole tensor. ``parameter_records`` is the
+one place that chooses those terms (Note "slice or whole" in ``tp/stage.py``).
 """
 from __future__ import annotations
 
@@ -87,14 +93,12 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         raise StateError("safe_set_full_fp32_param: the parameter is not trained by the "
                          "engine (frozen or unknown); set it directly")
     engine, record, slot, shape = found
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"safe_set_full_fp32_param: value has shape {tuple(value.shape)}, "
-                         f"the parameter has {tuple(shape)}")
+    _check_shape("safe_set_full_fp32_param", value, shape, engine, param)
     chunk = record.layout.shard_of_full(value.detach().to(record.master.dtype), slot,
                                         _shard_rank(engine, record))
     with torch.no_grad():
         record.master[record.layout.shard_slice(slot)].copy_(chunk)
-    engine.stage.publish_parameters()
+    _publish(engine)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter,
@@ -129,7 +133,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     if summed is None:
         return None
     grad = _gather_full(engine, summed, record, slot, shape).float()
-    return grad.div_(engine.comm.world_size * engine.loss_scale)
+    return grad.div_(_gradient_scale(engine))
 
 
 def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -141,7 +145,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     if found is None:
         return
     engine, record, slot, shape = found
-    _check_shape("safe_set_full_grad", value, shape)
+    _check_shape("safe_set_full_grad", value, shape, engine, param)
     chunk = record.layout.shard_of_full(value.detach().reshape(-1), slot,
                                         _shard_rank(engine, record))
     _write_grad_chunk(engine, record, slot, chunk, "safe_set_full_grad")
@@ -155,7 +159,7 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     if found is None:
         return
     engine, record, slot, shape = found
-    _check_shape("safe_set_full_optimizer_state", value, shape)
+    _check_shape("safe_set_full_optimizer_state", value, shape, engine, param)
     state = _state_tensor(record, optim_state_key, "safe_set_full_optimizer_state")
     chunk = record.layout.shard_of_full(value.detach().reshape(-1), slot,
                                         _shard_rank(engine, record))
@@ -199,7 +203,7 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     _check_chunk("safe_set_local_fp32_param", value, slot)
     with torch.no_grad():
         record.master[record.layout.shard_slice(slot)].copy_(value.detach().reshape(-1))
-    engine.stage.publish_parameters()
+    _publish(engine)
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter,
@@ -241,7 +245,7 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     if summed is None:
         return None
     chunk = summed[record.layout.shard_slice(slot)].to(torch.float32, copy=True)
-    return chunk.div_(engine.comm.world_size * engine.loss_scale)
+    return chunk.div_(_gradient_scale(engine))
 
 
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -260,20 +264,19 @@ def gradient_norms_by_group(engine: Any) -> list[torch.Tensor]:
     unscaled, before clipping), as DeepSpeed's ``optimizer._get_norm_groups()``: zeros when
     no backward ran since the last step. Collective at stages 1-3."""
     engine.settle()
-    records = engine.stage.shard_records()
+    records = parameter_records(engine)
     groups = len(engine.optimizer.param_groups)
     squares = torch.zeros(groups, dtype=torch.float32)
     for record in records:
         summed = _reduced_gradient(engine, record, "_get_norm_groups")
         if summed is None:
             break
-        squares[record.group_index] += torch.linalg.vector_norm(
-            summed.float(), dtype=torch.float32).cpu().square()
-    if engine.stage.sharded:
-        squares = squares.to(engine.stage.comm.device)
-        engine.stage.comm.all_reduce(squares, label="_get_norm_groups")
-    scale = engine.comm.world_size * engine.loss_scale
-    return list(squares.cpu().sqrt().div_(scale).unbind())
+        squares[record.group_index] += _squares(engine, record, summed).cpu()
+    comm = _norm_comm(engine)
+    if comm is not None:
+        squares = squares.to(comm.device)
+        comm.all_reduce(squares, label="_get_norm_groups")
+    return list(squares.cpu().sqrt().div_(_gradient_scale(engine)).unbind())
 
 
 def averaged_gradients_by_group(engine: Any) -> dict[int, list[torch.Tensor]]:
@@ -286,8 +289,8 @@ def averaged_gradients_by_group(engine: Any) -> dict[int, list[torch.Tensor]]:
         return {}
     position = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
     found: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    scale = engine.comm.world_size * engine.loss_scale
-    for record in engine.stage.shard_records():
+    scale = _gradient_scale(engine)
+    for record in parameter_records(engine):
         if record.group_index < 0:   # a frozen parameter's shard (core.records.FROZEN)
             continue
         summed = _reduced_gradient(engine, record, "averaged_gradients")
@@ -338,10 +341,23 @@ def _locate_local(param: torch.nn.Parameter, what: str):
     return found[0], found[1], found[2]
 
 
-def _check_shape(what: str, value: torch.Tensor, shape: Any) -> None:
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{what}: value has shape {tuple(value.shape)}, the parameter has "
-                         f"{tuple(shape)}")
+def _check_shape(what: str, value: torch.Tensor, shape: Any, engine: Any,
+                 param: torch.nn.Parameter) -> None:
+    """One line naming the parameter, the shape expected and, for a parameter split over
+    the tensor-parallel group, that it is this rank's slice (Note "slice or whole")."""
+    if tuple(value.shape) == tuple(shape):
+        return
+    name = _name_of(engine, param)
+    split = _split_of(engine, name)
+    if split is None:
+        expected = f"its shape {tuple(shape)}"
+    else:
+        spec, tp_rank = split
+        expected = (f"tensor-parallel rank {tp_rank}'s slice {tuple(shape)} (of "
+                    f"{spec.full_shape(shape)}, split on dimension {spec.dim} over "
+                    f"{spec.size} ranks)")
+    raise ValueError(f"{what}: value for {name} has shape {tuple(value.shape)}; expected "
+                     f"{expected}")
 
 
 def _check_chunk(what: str, value: torch.Tensor, slot: Any) -> None:
@@ -385,7 +401,54 @@ def _reduced_gradient(engine: Any, record: Any, what: str) -> Optional[torch.Ten
 
 
 def _record_index(engine: Any, record: Any) -> int:
-    return [id(r.master) for r in engine.stage.shard_records()].index(id(record.master))
+    return [id(r.master) for r in parameter_records(engine)].index(id(record.master))
+
+
+def parameter_records(engine: Any) -> list:
+    """The stage's records in the shapes this rank's module holds: under tensor
+    parallelism a split parameter's slice, not the checkpoints' gathered view (Note
+    "slice or whole" in ``tp/stage.py``). The one place the readers choose their terms."""
+    stage = engine.stage
+    local = getattr(stage, "parameter_records", None)
+    return local() if local is not None else stage.shard_records()
+
+
+def _split_of(engine: Any, name: Optional[str]):
+    """(split spec, tensor-parallel rank) of a split parameter, else None."""
+    split_of = getattr(engine.stage, "split_of", None)
+    return split_of(name) if split_of is not None and name else None
+
+
+def _publish(engine: Any) -> None:
+    """Publish masters written through :func:`parameter_records` to the module's parameters."""
+    stage = engine.stage
+    publish = getattr(stage, "publish_parameter_records", None)
+    (publish if publish is not None else stage.publish_parameters)()
+
+
+def _gradient_scale(engine: Any) -> float:
+    """What the reduced gradient holds over the averaged, unscaled one: the sum over the
+    data-parallel ranks (the world without tensor parallelism), times the loss scale."""
+    return engine.dp_world_size * engine.loss_scale
+
+
+def _squares(engine: Any, record: Any, summed: torch.Tensor) -> torch.Tensor:
+    """A record's squared gradient norm as the step takes it: with a norm spanning a
+    wider group (``stages/gradient_norm.py``'s ``NormSpan``: tensor parallelism), its
+    weighted square, so a replicated parameter counts once over the group."""
+    norm = getattr(engine.stage, "grad_norm", None)
+    if norm is not None:
+        return norm.square(_record_index(engine, record), record.layout, summed.float())
+    return torch.linalg.vector_norm(summed.float(), dtype=torch.float32).square()
+
+
+def _norm_comm(engine: Any):
+    """The ranks whose squares sum to the norm, as the step's; None when this rank holds
+    it all."""
+    norm = getattr(engine.stage, "grad_norm", None)
+    if norm is not None:
+        return norm.comm if norm.comm.world_size > 1 else None
+    return engine.stage.comm if engine.stage.sharded else None
 
 
 def _write_grad_chunk(engine: Any, record: Any, slot: Any, chunk: torch.Tensor,
@@ -397,7 +460,7 @@ def _write_grad_chunk(engine: Any, record: Any, slot: Any, chunk: torch.Tensor,
                          "and before engine.step()")
     with torch.no_grad():
         summed[record.layout.shard_slice(slot)].copy_(
-            chunk.float() * (engine.comm.world_size * engine.loss_scale))
+            chunk.float() * _gradient_scale(engine))
     engine.stage.gradient_overwritten(_record_index(engine, record))
 
 
@@ -408,14 +471,17 @@ def _locate(param: torch.nn.Parameter, what: str):
     if engine is None:
         raise StateError(f"{what}: this parameter belongs to no engine; pass a parameter of "
                          "the model given to zerotrain.initialize()")
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    name = names.get(id(param))
+    name = _name_of(engine, param)
     engine.settle()   # a delayed (dpu) update must land before masters are read or written
-    for record in engine.stage.shard_records():
+    for record in parameter_records(engine):
         if name in record.names:
             j = record.names.index(name)
             return engine, record, record.layout.slots[j], record.shapes[j]
     return None
+
+
+def _name_of(engine: Any, param: torch.nn.Parameter) -> Optional[str]:
+    return next((n for n, p in engine.module.named_parameters() if p is param), None)
 
 
 def _shard_rank(engine: Any, record: Any) -> int:

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import StateError
 from ..offload import states as moved_states
-from ..utils import averaged_gradients_by_group, safe_get_full_grad
+from ..utils import averaged_gradients_by_group, parameter_records, safe_get_full_grad
 
 
 class OptimizerViews:
@@ -78,7 +78,7 @@ class OptimizerViews:
         return out
 
     def _trained_records(self) -> list[Any]:
-        return [r for r in self.engine().stage.shard_records() if r.group_index >= 0]
+        return [r for r in parameter_records(self.engine()) if r.group_index >= 0]
 
     def fp16_groups(self) -> list[list[torch.nn.Parameter]]:
         """The model's parameters, one list per flat shard the optimizer steps (DeepSpeed's

@@ -6,6 +6,19 @@ parameters that are simply smaller; :class:`TensorParallelStage` adds what spans
 dimensions: the gradient norm (``norm.py``), checkpoint records with the tensor-parallel
 dimension gathered (``view.py``), full copies for export, and the per-dimension report.
 Everything else is the stage's own (``__getattr__``).
+
+Note: slice or whole
+    Two views of the same state exist under tensor parallelism. Checkpoints see full
+    parameters chunked over the whole world (:meth:`TensorParallelStage.shard_records`,
+    collective). The readers and writers of one parameter's state (``zerotrain.utils``'
+    ``safe_get_full_*`` / ``safe_set_full_*``, ``optimizer.averaged_gradients``) see the
+    parameter as this rank's module holds it, as DeepSpeed's AutoTP does: a split
+    parameter is the rank's slice (full across the data-parallel ranks, whose chunks they
+    gather), a replicated one the whole tensor. That view is
+    :meth:`TensorParallelStage.parameter_records` (the stage's own records, no
+    collective), and :meth:`TensorParallelStage.split_of` names the slice for messages.
+    A stage that partitions split parameters would give its records in the same
+    terms and nothing in the readers would change.
 """
 from __future__ import annotations
 
@@ -17,7 +30,7 @@ from torch import nn
 from ..core.records import ShardRecord
 from .apply import TensorParallelPlan
 from .norm import TensorParallelNorm
-from .split import join_slices
+from .split import SplitSpec, join_slices
 from .view import gather_view, scatter_view
 
 
@@ -69,6 +82,24 @@ class TensorParallelStage:
 
     def frozen_records(self) -> list[ShardRecord]:
         return []
+
+    def parameter_records(self) -> list[ShardRecord]:
+        """This rank's records in its module's shapes: a split parameter's slice (Note
+        "slice or whole"). Live tensors; no collective."""
+        return self.inner.shard_records()
+
+    def split_of(self, name: str) -> Optional[tuple[SplitSpec, int]]:
+        """(the split, this rank's place in the tensor-parallel group) of parameter
+        ``name``, or None when it is whole on every rank (Note "slice or whole")."""
+        spec = self.plan.spec_of(name)
+        return None if spec is None else (spec, self.mesh.tp_rank)
+
+    def publish_parameter_records(self) -> None:
+        """After a write into :meth:`parameter_records`: publish the masters to the
+        module. The gathered view of an earlier save is stale from here, as after a
+        step. Collective over the data-parallel group."""
+        self._views = None
+        self.inner.publish_parameters()
 
     def publish_parameters(self) -> None:
         """After a load wrote into the gathered view: cut it back into this rank's shards

@@ -4,13 +4,15 @@ Nothing here knows of zerotrain: ``--deepspeed ds_config.json`` goes to TRL's co
 ``TrainingArguments``). The model is given as a folder, so TRL loads it with
 ``from_pretrained`` (DPO loads its reference model the same way); under a ZeRO-3 config both
 go through transformers' ``zero.Init`` path. The data is a fixed stand-in corpus of words
-from the folder's tokenizer. Writes ``{"losses", "grad_norms"}`` to ``--out`` on rank 0.
+from the folder's tokenizer. ``--runs dpo,sft_lora`` trains each in turn in the same process; writes ``{run: {"losses",
+"grad_norms"}}`` to ``--out`` on rank 0.
 
 ``python trl_train.py --make_model DIR`` writes the tiny Llama and its tokenizer first.
 """
 import argparse
 import gc
 import json
+import os
 import random
 import time
 
@@ -43,39 +45,25 @@ def _sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--make_model", default="")
-    parser.add_argument("--model", default="")
-    parser.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--deepspeed", default=None)
-    parser.add_argument("--output_dir", default="out")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--max_steps", type=int, default=3)
-    parser.add_argument("--local_rank", type=int, default=-1)   # DeepSpeed's launcher passes it
-    args = parser.parse_args()
-    if args.make_model:
-        make_model(args.make_model)
-        return
-
+def _train(run: str, args: argparse.Namespace) -> dict:
+    """One trainer, as a user script builds it; its logged losses and gradient norms."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     rng = random.Random(0)
-    common = dict(output_dir=args.output_dir, per_device_train_batch_size=2,
+    common = dict(output_dir=f"{args.output_dir}/{run}", per_device_train_batch_size=2,
                   gradient_accumulation_steps=1, max_steps=args.max_steps, logging_steps=1,
-                  learning_rate=1e-2, bf16=False, report_to="none", save_strategy="no", seed=42,
-                  deepspeed=args.deepspeed, use_cpu=args.deepspeed is None,
+                  learning_rate=1e-2, bf16=False, report_to="none", save_strategy="no",
+                  seed=42, deepspeed=args.deepspeed, use_cpu=args.deepspeed is None,
                   model_init_kwargs={"dtype": torch.float32})
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     peft_config = None
-    if args.lora:
+    if run.endswith("_lora"):
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                  target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    if args.trainer == "sft":
+    if run.startswith("sft"):
         from trl import SFTConfig, SFTTrainer
 
         data = Dataset.from_dict({"text": [_sentence(rng, 10) for _ in range(16)]})
@@ -93,10 +81,30 @@ def main() -> None:
                              peft_config=peft_config)
     trainer.train()
     history = trainer.state.log_history
-    if trainer.args.process_index == 0 and args.out:
+    return {"losses": [h["loss"] for h in history if "loss" in h],
+            "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--make_model", default="")
+    parser.add_argument("--model", default="")
+    parser.add_argument("--runs", default="sft",
+                        help="comma-separated, in order: sft, sft_lora, dpo")
+    parser.add_argument("--deepspeed", default=None)
+    parser.add_argument("--output_dir", default="out")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--max_steps", type=int, default=3)
+    parser.add_argument("--local_rank", type=int, default=-1)   # DeepSpeed's launcher passes it
+    args = parser.parse_args()
+    if args.make_model:
+        make_model(args.make_model)
+        return
+
+    results = {run: _train(run, args) for run in args.runs.split(",")}
+    if int(os.environ.get("RANK", "0")) == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": [h["loss"] for h in history if "loss" in h],
-                       "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h]}, f)
+            json.dump(results, f)
     if torch.distributed.is_initialized():   # as train_clm.py's _end: gloo's threads at exit
         torch.distributed.destroy_process_group()
     gc.collect()

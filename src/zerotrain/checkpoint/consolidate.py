@@ -14,6 +14,10 @@ to its file, and ``config.json`` when the manifest recorded the model's config. 
 
 A DeepSpeed ZeRO checkpoint (recognised by ``deepspeed.find_tag_dir``) is read by
 ``deepspeed.DeepSpeedExport`` and written the same way.
+
+DeepSpeed's file finders of this module (``get_model_state_file``, ``get_optim_files``...)
+live in ``deepspeed/file_names.py``; for a zerotrain save they answer with stand-ins
+(Note there).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import torch
 
 from . import fs
 from .deepspeed import DeepSpeedExport, find_tag_dir
+from .deepspeed.file_names import (get_checkpoint_files, get_model_state_file,  # noqa: F401
+                                   get_model_state_files, get_optim_files)      # DeepSpeed's
 from .manifest import MANIFEST_NAME, CheckpointError, file_identity_check, read_manifest
 from .reshard import SourceIndex
 from .stfile import DTYPES_BY_NAME, Reader, TensorSpec, write_file

@@ -70,6 +70,19 @@ def _train(run: str, args: argparse.Namespace) -> dict:
         trainer = SFTTrainer(model=args.model, args=SFTConfig(max_length=16, **common),
                              train_dataset=data, processing_class=tokenizer,
                              peft_config=peft_config)
+    elif run.startswith("grpo"):
+        from trl import GRPOConfig, GRPOTrainer
+
+        def reward(completions, **kwargs):   # more distinct words: higher reward
+            return [float(len(set(c.split()))) for c in completions]
+
+        data = Dataset.from_dict({"prompt": [_sentence(rng, 4) for _ in range(16)]})
+        config = GRPOConfig(num_generations=2, max_completion_length=4,
+                            ds3_gather_for_generation=False,
+                            beta=0.1 if run == "grpo_beta" else 0.0, **common)
+        trainer = GRPOTrainer(model=args.model, args=config, reward_funcs=reward,
+                              train_dataset=data, processing_class=tokenizer,
+                              peft_config=peft_config)
     else:
         from trl import DPOConfig, DPOTrainer
 
@@ -90,7 +103,8 @@ def main() -> None:
     parser.add_argument("--make_model", default="")
     parser.add_argument("--model", default="")
     parser.add_argument("--runs", default="sft",
-                        help="comma-separated, in order: sft, sft_lora, dpo")
+                        help="comma-separated, in order: sft, sft_lora, dpo, grpo, "
+                             "grpo_beta (a reference model)")
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--output_dir", default="out")
     parser.add_argument("--out", default="")

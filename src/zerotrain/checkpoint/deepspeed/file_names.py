@@ -40,7 +40,9 @@ from ..manifest import MANIFEST_NAME, read_manifest
 __all__ = ["get_checkpoint_files", "get_model_state_file", "get_model_state_files",
            "get_optim_files"]
 
-_views: dict[str, str] = {}          # zerotrain tag folder -> its stand-ins' folder
+# (zerotrain tag folder, its manifest's mtime and size) -> its stand-ins' folder: a tag
+# saved again under the same name gets new ones
+_views: dict[tuple[str, int, int], str] = {}
 _root: Optional[str] = None
 
 
@@ -92,7 +94,8 @@ def _stand_ins(tag_dir: str) -> str:
     from .write import DS_VERSION, group_members, model_states   # write imports consolidate
 
     global _root
-    key = os.path.realpath(tag_dir)
+    stat = os.stat(os.path.join(tag_dir, MANIFEST_NAME))
+    key = (os.path.realpath(tag_dir), stat.st_mtime_ns, stat.st_size)
     if key in _views:
         return _views[key]
     manifest = read_manifest(tag_dir)

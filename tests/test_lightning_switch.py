@@ -1,7 +1,8 @@
 """PyTorch Lightning's DeepSpeed strategy at stage 3, unmodified, through ``zerotrain launch
 --as-deepspeed`` (2 gloo ranks, with the two-method CPU subclass of docs/lightning.md):
 trains, saves with ``trainer.save_checkpoint``, and Lightning's own
-``convert_zero_checkpoint_to_fp32_state_dict`` turns the save into the weights DDP trains.
+``convert_zero_checkpoint_to_fp32_state_dict`` turns the save into the weights the same
+script trains with ``strategy="ddp"``.
 """
 from __future__ import annotations
 
@@ -27,20 +28,21 @@ def _env() -> dict:
     return env
 
 
-def _train(tmp_path, strategy: str, launcher: list) -> dict:
-    out = tmp_path / f"{strategy}.pt"
-    run = subprocess.run([sys.executable, "-m", *launcher, "--standalone", "--nproc_per_node",
-                          "2", SCRIPT, "--strategy", strategy, "--root",
-                          str(tmp_path / strategy), "--out", str(out)], cwd=str(tmp_path),
-                         env=_env(), capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, (strategy, run.stderr[-4000:])
-    return torch.load(out, weights_only=True)
-
-
 @pytest.mark.slow
 def test_lightning_stage3_checkpoint_converts_to_the_weights_ddp_trains(tmp_path):
-    ddp = _train(tmp_path, "ddp", ["torch.distributed.run"])
-    ours = _train(tmp_path, "deepspeed_stage_3", ["zerotrain", "launch", "--as-deepspeed"])
+    # one launch trains DDP, then DeepSpeed stage 3 (DDP never imports deepspeed)
+    out = tmp_path / "weights.pt"
+    run = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--as-deepspeed",
+                          "--standalone", "--nproc_per_node", "2", SCRIPT, "--strategies",
+                          "ddp,deepspeed_stage_3", "--root", str(tmp_path), "--out", str(out)],
+                         cwd=str(tmp_path), env=_env(), capture_output=True, text=True,
+                         timeout=400)
+    assert run.returncode == 0, run.stderr[-4000:]
+    # the save is zerotrain's (a manifest, no DeepSpeed .pt files); Lightning converted it
+    saved = tmp_path / "deepspeed_stage_3" / "final.ckpt" / "checkpoint"
+    assert (saved / "manifest.json").is_file() and not list(saved.glob("*.pt"))
+    results = torch.load(out, weights_only=True)
+    ddp, ours = results["ddp"], results["deepspeed_stage_3"]
     torch.manual_seed(0)   # pl.seed_everything(0): the weights before training
     sys.path.insert(0, os.path.dirname(SCRIPT))
     try:

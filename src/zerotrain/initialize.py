@@ -105,9 +105,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if adopted and timeout is not None:   # a group made before us: give it our timeout
         set_group_timeout(timeout)
     cfg = load_config(source, world_size=dist.get_world_size(), warn_unimplemented=False)
-    if cfg.unimplemented_keys and dist.get_rank() == 0:   # once per job, at the user's line
-        warnings.warn(unimplemented_message(cfg.unimplemented_keys), ZeroTrainConfigWarning,
-                      stacklevel=_user_stacklevel())
+    if (cfg.unimplemented_keys or cfg.ignored_keys) and dist.get_rank() == 0:  # once per job
+        warnings.warn(unimplemented_message(cfg.unimplemented_keys, cfg.ignored_keys),
+                      ZeroTrainConfigWarning, stacklevel=_user_stacklevel())
     if (not cfg.zero_optimization.ignore_unused_parameters and dist.get_rank() == 0
             and stage_class(cfg.zero_optimization.stage).partitions_parameters):
         warnings.warn("zero_optimization.ignore_unused_parameters false has no effect at stage "

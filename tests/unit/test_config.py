@@ -346,8 +346,6 @@ def test_deepspeed_field_name_aliases_for_stage3_keys() -> None:
     ({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
     ({**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
      "scheduler.params.warmup_max_lr"),
-    ({**BASE, "zero_optimization": {"reduce_bucket_size": "auto"}},
-     "zero_optimization.reduce_bucket_size"),
     ({**BASE, "fp16": {"enabled": "auto"}}, "fp16.enabled"),
     ({**BASE, "zero_optimization": "auto"}, "zero_optimization"),
 ])
@@ -383,6 +381,73 @@ def test_unimplemented_keys_warn_once_listing_all() -> None:
     assert sorted(loaded.unimplemented_keys) == sorted(expected)
     assert loaded.optimizer is not None and loaded.optimizer.params == {}
     assert loaded.zero_optimization.stage == 2
+
+
+# --- what DeepSpeed ignores (Note "what DeepSpeed ignores" in config/keys.py) ---------------
+
+# TRL's reference-model config at ZeRO-3: the user's "auto" bucket sizes not yet filled, and
+# its model-dependent values added as top-level dotted keys
+TRL_REFERENCE = {**BASE, "zero_optimization": {
+    "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+    "param_persistence_threshold": "auto", "offload_param": {"device": "auto"}},
+    "zero_optimization.reduce_bucket_size": 4096,
+    "zero_optimization.stage3_param_persistence_threshold": 640}
+
+
+def _load_warned(config: Dict[str, Any]) -> Tuple[ZeroTrainConfig, list]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_config(config, world_size=1)
+    return loaded, [w for w in caught if issubclass(w.category, ZeroTrainConfigWarning)]
+
+
+def test_auto_in_zero_optimization_takes_deepspeeds_default_with_one_warning() -> None:
+    loaded, ours = _load_warned(TRL_REFERENCE)
+    default = ZeroConfig()
+    zero = loaded.zero_optimization
+    assert zero.stage == 3
+    assert zero.reduce_bucket_size == default.reduce_bucket_size
+    assert zero.stage3_prefetch_bucket_size == default.stage3_prefetch_bucket_size
+    assert zero.stage3_param_persistence_threshold == default.stage3_param_persistence_threshold
+    assert zero.offload_param is None or zero.offload_param.device == "none"
+    assert len(ours) == 1
+    message = str(ours[0].message)
+    for path in ("zero_optimization.reduce_bucket_size", "zero_optimization.offload_param.device",
+                 "zero_optimization.param_persistence_threshold",
+                 "zero_optimization.stage3_param_persistence_threshold"):
+        assert path in message
+    assert len(loaded.ignored_keys) == 6 and loaded.unimplemented_keys == []
+
+
+def test_dotted_and_far_top_level_keys_are_ignored_like_deepspeed() -> None:
+    loaded, ours = _load_warned({**BASE, "zero_optimization.stage": 3, "my_run_note": "x",
+                                 "flops_profiler": {"enabled": True}})
+    assert loaded.zero_optimization.stage == 0        # a dotted key sets nothing, as in DeepSpeed
+    assert len(ours) == 1                             # one warning: unimplemented and ignored
+    message = str(ours[0].message)
+    assert "zero_optimization.stage (a dotted top-level key)" in message
+    assert "my_run_note (an unknown top-level key)" in message and "flops_profiler" in message
+    assert loaded.unimplemented_keys == ["flops_profiler"]
+
+
+@pytest.mark.parametrize("config, path, suggestion", [
+    ({"zero_optimisation": {"stage": 3}}, "zero_optimisation", "did you mean zero_optimization"),
+    ({"train_batch_szie": 8}, "train_batch_szie", "did you mean train_batch_size"),
+    ({**TRL_REFERENCE, "zero_optimization": {"stage": 3, "reduce_bucket_sise": "auto"}},
+     "zero_optimization.reduce_bucket_sise", "did you mean reduce_bucket_size"),
+    ({"zero_optimization": {"offload_param": {"devcie": "auto"}}},
+     "zero_optimization.offload_param.devcie", "did you mean device"),
+])
+def test_misspellings_stay_errors_next_to_what_is_ignored(config: Dict[str, Any], path: str,
+                                                          suggestion: str) -> None:
+    error = config_error({**BASE, **config})
+    assert (error.path, error.suggestion) == (path, suggestion)
+
+
+def test_auto_outside_zero_optimization_stays_an_error() -> None:
+    # DeepSpeed fails on these or reads them wrongly; only zero_optimization's model drops them
+    assert config_error({**TRL_REFERENCE, "gradient_clipping": "auto"}).path == "gradient_clipping"
+    assert config_error({**BASE, "zero_optimization": "auto"}).path == "zero_optimization"
 
 
 def test_unimplemented_keys_still_reject_auto() -> None:

@@ -412,3 +412,30 @@ print(len(samples), max(samples) - before)
     last = count * numel
     assert torch.equal(out[f"layer{count - 1}.weight"][-3:],
                        torch.arange(last - 3, last, dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------- file finders
+
+def test_zero_to_fp32_file_finders_behave_as_deepspeeds(tmp_path):
+    """``deepspeed.utils.zero_to_fp32``'s finders (Lightning imports them): DeepSpeed's
+    names in natural order, its FileNotFoundError messages, the stage-3 model file."""
+    from zerotrain.checkpoint.consolidate import (get_model_state_file, get_model_state_files,
+                                                  get_optim_files)
+    z3 = _tag_dir("z3_fp32_w3")
+    assert [os.path.basename(f) for f in get_optim_files(z3)] == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
+    assert get_model_state_file(z3, 3) == os.path.join(
+        z3, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert len(get_model_state_files(z3)) == 3
+    assert get_model_state_file(_tag_dir("z1_fp32_w2"), 1).endswith(
+        os.sep + "mp_rank_00_model_states.pt")
+    for rank in (10, 2, 1):   # natural order: 1, 2, 10
+        (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert [os.path.basename(f).split("_")[3] for f in get_optim_files(str(tmp_path))] == [
+        "1", "2", "10"]
+    with pytest.raises(FileNotFoundError, match="doesn't exist"):
+        get_model_state_file(str(tmp_path / "absent"), 3)
+    with pytest.raises(FileNotFoundError, match="can't find model states file"):
+        get_model_state_file(str(tmp_path), 2)
+    with pytest.raises(FileNotFoundError, match=r"can't find \*_optim_states.pt files"):
+        get_optim_files(str(tmp_path / "absent"))

@@ -16,6 +16,10 @@ A DeepSpeed ZeRO checkpoint (recognised by ``deepspeed.find_tag_dir``) is read b
 ``deepspeed.DeepSpeedExport`` and written the same way. The output is written aside and
 renamed in whole, never inside the checkpoint it reads (Note: exports write like saves, in
 ``export_target.py``).
+
+DeepSpeed's file finders of this module (``get_model_state_file``, ``get_optim_files``...)
+live in ``deepspeed/file_names.py``; for a zerotrain save they answer with stand-ins
+(Note there).
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ import torch
 from . import fs
 from .deepspeed import DeepSpeedExport, find_tag_dir
 from .export_target import replacing_file, replacing_folder
+from .deepspeed.file_names import (get_checkpoint_files, get_model_state_file,  # noqa: F401
+                                   get_model_state_files, get_optim_files)      # DeepSpeed's
 from .manifest import MANIFEST_NAME, CheckpointError, file_identity_check, read_manifest
 from .reshard import SourceIndex
 from .stfile import DTYPES_BY_NAME, Reader, TensorSpec, write_file

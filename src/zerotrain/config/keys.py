@@ -13,10 +13,41 @@ Note: why unknown keys error but DeepSpeed-only keys warn
     the two impossible. Those keys are accepted, dropped, and named in one
     ``ZeroTrainConfigWarning`` per load, so the gap is visible without being fatal. They all
     live in ``UNIMPLEMENTED_KEYS``; implementing one means moving it into a model.
+
+Note: what DeepSpeed ignores
+    Libraries build configs for DeepSpeed that lean on two of its silences, and through
+    the switch they must load here too. TRL prepares a reference model (DPO, KTO, GRPO
+    with ``beta > 0``...) from the user's config before transformers fills its
+    model-dependent ``"auto"`` values, and adds top-level dotted keys
+    (``"zero_optimization.reduce_bucket_size"``). DeepSpeed's section models drop an
+    ``"auto"`` value (the key keeps its default), and DeepSpeed never reads a top-level key
+    it does not know. zerotrain reads them the same way, naming each in the one warning of
+    the load, with this line drawn:
+
+    * ``"auto"`` inside ``zero_optimization`` (and its offload sections) is dropped: the
+      default applies, as in DeepSpeed. Elsewhere it stays an error: DeepSpeed fails on it
+      or reads it wrongly (``train_batch_size``, optimizer and scheduler ``params``).
+    * An unknown top-level key is ignored when it is dotted (no DeepSpeed key has a dot) or
+      when no known key is close to it (``difflib`` ratio below ``CLOSE_MATCH``). One that
+      a did-you-mean would name (``zero_optimisation``, ``train_batch_szie``) stays an
+      error: ignoring it would train with defaults nobody asked for.
+    * Inside a section every unknown key stays an error with its did-you-mean.
 """
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List
+from typing import Dict, FrozenSet, List, Sequence
+
+
+# difflib similarity from which an unknown key is taken for a misspelling of a known one
+CLOSE_MATCH = 0.6
+# sections whose "auto" values DeepSpeed drops (its DeepSpeedConfigModel); Note "what
+# DeepSpeed ignores"
+_AUTO_DROPPED_IN = "zero_optimization"
+
+
+def drops_auto(section: str) -> bool:
+    """Whether DeepSpeed reads an "auto" value in ``section`` (a dotted path) as unset."""
+    return section == _AUTO_DROPPED_IN or section.startswith(_AUTO_DROPPED_IN + ".")
 
 
 class ZeroTrainConfigWarning(UserWarning):
@@ -115,6 +146,13 @@ _KEY_ALIASES: Dict[str, Dict[str, str]] = {
 }
 
 
-def unimplemented_message(keys: List[str]) -> str:
-    return ("zerotrain accepts but does not implement these DeepSpeed config keys, so they "
-            "have no effect: " + ", ".join(keys))
+def unimplemented_message(keys: List[str], ignored: Sequence[str] = ()) -> str:
+    """The one warning of a load: DeepSpeed keys not implemented, and what was ignored as
+    DeepSpeed ignores it (Note "what DeepSpeed ignores")."""
+    parts = []
+    if keys:
+        parts.append("zerotrain accepts but does not implement these DeepSpeed config keys, "
+                     "so they have no effect: " + ", ".join(keys))
+    if ignored:
+        parts.append("ignored as DeepSpeed ignores them: " + ", ".join(ignored))
+    return "; ".join(parts)

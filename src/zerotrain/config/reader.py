@@ -27,7 +27,8 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
     """Validate ``config`` (a dict, a JSON file path, or None) for ``world_size`` ranks.
 
     Raises ConfigError for anything unusable; warns once (ZeroTrainConfigWarning) listing the
-    DeepSpeed keys that were accepted but are not implemented, unless ``warn_unimplemented``
+    DeepSpeed keys that were accepted but are not implemented and what was ignored as
+    DeepSpeed ignores it (Note "what DeepSpeed ignores" in ``keys.py``), unless ``warn_unimplemented``
     is false (``initialize`` warns itself, on rank 0, at the user's call). The caller's dict
     is not changed.
     """
@@ -49,9 +50,10 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
     check_other_parallelism(raw)
     result._raw = raw
     result._unimplemented = list(walk.unimplemented)
-    if walk.unimplemented and warn_unimplemented:
-        warnings.warn(unimplemented_message(walk.unimplemented), ZeroTrainConfigWarning,
-                      stacklevel=2)
+    result._ignored = list(walk.ignored)
+    if (walk.unimplemented or walk.ignored) and warn_unimplemented:
+        warnings.warn(unimplemented_message(walk.unimplemented, walk.ignored),
+                      ZeroTrainConfigWarning, stacklevel=2)
     return result
 
 

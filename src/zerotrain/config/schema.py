@@ -65,6 +65,7 @@ class ZeroTrainConfig(_Section):
 
     _raw: Dict[str, Any] = PrivateAttr(default_factory=dict)
     _unimplemented: List[str] = PrivateAttr(default_factory=list)
+    _ignored: List[str] = PrivateAttr(default_factory=list)
 
     @property
     def precision(self) -> PrecisionName:
@@ -97,3 +98,9 @@ class ZeroTrainConfig(_Section):
     def unimplemented_keys(self) -> List[str]:
         """Dotted paths of the DeepSpeed keys that were accepted but have no effect."""
         return list(self._unimplemented)
+
+    @property
+    def ignored_keys(self) -> List[str]:
+        """What was read as DeepSpeed reads it, by ignoring it: top-level keys DeepSpeed does
+        not know, "auto" values it drops (each with why)."""
+        return list(self._ignored)

@@ -3,7 +3,9 @@
 Every key is checked against its section: aliases resolved, DeepSpeed-only keys dropped and
 recorded, "auto" refused, unknown keys answered with a did-you-mean; pydantic's first error
 becomes a ``ConfigError`` at the dotted key the user wrote (Note "why unknown keys error but
-DeepSpeed-only keys warn" in ``keys.py``).
+DeepSpeed-only keys warn" in ``keys.py``). What DeepSpeed itself ignores is ignored and
+recorded too (Note "what DeepSpeed ignores" in ``keys.py``): "auto" inside
+``zero_optimization``, and top-level keys that are dotted or far from every known key.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Dict, List, Optional, Type, get_args
 from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
-from .keys import _KEY_ALIASES, UNIMPLEMENTED_KEYS, refused_when_on
+from .keys import _KEY_ALIASES, CLOSE_MATCH, UNIMPLEMENTED_KEYS, drops_auto, refused_when_on
 from .sections import OPTIMIZER_PARAMS
 
 
@@ -23,6 +25,7 @@ class _Walk:
     """What the key walk learns: DeepSpeed-only keys seen, aliases used (model path -> user's)."""
 
     unimplemented: List[str] = field(default_factory=list)
+    ignored: List[str] = field(default_factory=list)
     renamed: Dict[str, str] = field(default_factory=dict)
 
     def user_path(self, path: str) -> str:
@@ -58,15 +61,19 @@ def _clean(model: Type[BaseModel], data: Any, path: str, canon: str, walk: _Walk
     for key, value in data.items():
         where = _join(path, key)
         name = aliases.get(key, key) if isinstance(key, str) else key
+        if (name in fields or key in skipped) and _is_auto(value) and drops_auto(canon):
+            walk.ignored.append(f'{where} ("auto": DeepSpeed\'s default)')
+            continue
         if name in fields:
             if name in spelled:
                 raise ConfigError(where, f"sets the same option as {_join(path, spelled[name])}; "
                                          "give only one of them", value=value)
             spelled[name] = key
-            _reject_auto(value, where)
+            sub = _section_model(fields[name].annotation)
+            if sub is None or not isinstance(value, dict):
+                _reject_auto(value, where)   # a section's own keys are checked one by one
             if name != key:
                 walk.renamed[_join(canon, name)] = where
-            sub = _section_model(fields[name].annotation)
             out[name] = _clean(sub, value, where, _join(canon, name), walk) if sub else value
         elif key in skipped:
             _reject_auto(value, where)
@@ -74,9 +81,16 @@ def _clean(model: Type[BaseModel], data: Any, path: str, canon: str, walk: _Walk
             if why:
                 raise ConfigError(where, why, value=value)
             walk.unimplemented.append(where)
+        elif not canon and ignored_at_top(key, [*fields, *aliases, *skipped]):
+            walk.ignored.append(f"{where} (" + ("a dotted top-level key" if "." in str(key)
+                                                else "an unknown top-level key") + ")")
         else:
             raise _unknown_key(key, where, list(fields), [*aliases, *skipped])
     return out
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
 
 
 def _reject_auto(value: Any, path: str) -> None:
@@ -93,7 +107,7 @@ def _reject_auto(value: Any, path: str) -> None:
 
 
 def _unknown_key(key: Any, path: str, valid: List[str], also_known: List[str]) -> ConfigError:
-    close = difflib.get_close_matches(str(key), sorted(valid + also_known), n=1, cutoff=0.6)
+    close = _close_match(key, valid + also_known)
     if close:
         suggestion: Optional[str] = f"did you mean {close[0]}"
     elif len(valid) <= 12:
@@ -101,6 +115,17 @@ def _unknown_key(key: Any, path: str, valid: List[str], also_known: List[str]) -
     else:
         suggestion = None
     return ConfigError(path, "unknown config key", value=key, suggestion=suggestion)
+
+
+def _close_match(key: Any, known: List[str]) -> List[str]:
+    return difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=CLOSE_MATCH)
+
+
+def ignored_at_top(key: Any, known: List[str]) -> bool:
+    """Whether DeepSpeed's reading of an unknown top-level ``key`` (it ignores every one) is
+    followed: a dotted key, or one close to no known key. A key a did-you-mean would name
+    (``zero_optimisation``) stays an error (Note "what DeepSpeed ignores" in ``keys.py``)."""
+    return "." in str(key) or not _close_match(key, known)
 
 
 def _choose(value: Any, choices: tuple, path: str, *, ignore_case: bool) -> Any:

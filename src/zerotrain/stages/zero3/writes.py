@@ -82,6 +82,21 @@ def skipped_by_transformers() -> Iterator[tuple[Any, str, Callable]]:
         yield pretrained, "init_weights", _hf_init_weights
 
 
+def loading_pretrained() -> bool:
+    """Whether transformers is building a model to load a checkpoint into under ZeRO-3
+    (``from_pretrained``'s init context): its ``no_tie_weights`` is active besides
+    ``no_init_weights`` (``from_config`` enters only the latter). Note: a load draws
+    nothing, in zero_init.py."""
+    hf = sys.modules.get("transformers.initialization")
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if hf is None or pretrained is None:
+        return False
+    tie = pretrained.__dict__.get("tie_weights")
+    return (getattr(tie, "__name__", "") == "empty_func"
+            and getattr(tie, "__module__", "") == hf.__name__
+            and next(skipped_by_transformers(), None) is not None)
+
+
 def per_module_initializers() -> Iterator[tuple[Any, str, Callable]]:
     """(owner, name, original) for transformers' per-module init step
     (``PreTrainedModel._initialize_weights``), when transformers is imported. Some of its

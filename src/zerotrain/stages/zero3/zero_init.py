@@ -29,6 +29,22 @@ Note: the same weights through transformers' ZeRO-3 path
     ``Init`` those functions are torch's again, so the construction draws what a plain one
     draws and the later rank-0 initialisation continues from the same point: the weights
     equal a plain ``from_config`` with the same seed.
+
+Note: a load draws nothing
+    ``from_pretrained`` without DeepSpeed builds the model on the meta device: the
+    construction draws nothing from torch's random streams, and after the load only the
+    keys missing from the checkpoint are initialised (drawing in transformers' module
+    order). Under ZeRO-3 it builds under ``zero.Init`` instead, inside ``no_init_weights``
+    and ``no_tie_weights``. Running the inits there (as for ``from_config``, Note above)
+    advanced the stream, so whatever the script drew next (a LoRA adapter's initial
+    values, dropout masks, the data order) differed from the plain run's; it also marked
+    every module initialised, so a missing key kept a construction-time value instead of
+    being initialised after the load. For such a load ``Init`` leaves transformers' no-op
+    inits in place (the values are broadcast from rank 0 and then overwritten by the
+    checkpoint, or initialised as missing keys after it, as DeepSpeed does), and it puts
+    the CPU generator and every CUDA generator back as they were on entry, so a draw made
+    during construction some other way (``torch.randn`` in an ``__init__``) is undone too:
+    the stream is where a plain load leaves it.
 """
 from __future__ import annotations
 
@@ -44,8 +60,8 @@ from torch import nn
 from ...comm import Communicator, init_distributed
 from ...errors import StateError
 from . import partition as P
-from .writes import (PartitionedWrites, bound_initializers, per_module_initializers,
-                     skipped_by_transformers)
+from .writes import (PartitionedWrites, bound_initializers, loading_pretrained,
+                     per_module_initializers, skipped_by_transformers)
 
 _state = threading.local()
 _MISSING = object()
@@ -114,6 +130,7 @@ class Init:
         self.pin_memory = pin_memory
         self.dtype = dtype
         self._patched: list[tuple[Any, str, Any]] = []
+        self._rng: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None
         self.comm: Optional[Communicator] = None
         if module is not None and enabled:  # DeepSpeed's form: partition an existing model
             with self:
@@ -138,8 +155,11 @@ class Init:
             if "__init__" in cls.__dict__:
                 patch(cls, "__init__", wrap(cls.__dict__["__init__"]))
         self._patch(nn.Module, "__init_subclass__", classmethod(init_subclass))
-        for owner, name, original in list(skipped_by_transformers()):  # Note: transformers'
-            self._patch(owner, name, original)
+        if loading_pretrained():   # Note: a load draws nothing
+            self._rng = _random_state()
+        else:
+            for owner, name, original in list(skipped_by_transformers()):  # Note: the same
+                self._patch(owner, name, original)                         # weights...
         for owner, name, original in list(bound_initializers()):  # Note: every init path
             self._patch(owner, name, self._wrap_initializer(original))
         for owner, name, original in list(per_module_initializers()):
@@ -160,6 +180,9 @@ class Init:
             else:
                 setattr(owner, name, original)
         self._patched.clear()
+        if self._rng is not None:
+            _restore_random_state(self._rng)
+            self._rng = None
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         if isinstance(owner, dict):   # transformers' table of init functions
@@ -263,6 +286,19 @@ class Init:
             self._partition_module(module)
             return out
         module.to_empty = to_empty
+
+
+def _random_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """torch's CPU generator state and every CUDA device's (none without CUDA)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return torch.get_rng_state(), cuda
+
+
+def _restore_random_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _global_rank(comm: Communicator, group_rank: int) -> int:

@@ -81,7 +81,8 @@ def read_latest_text(save_dir: str) -> Optional[str]:
     """
     path = os.path.join(save_dir, LATEST_NAME)
     try:
-        data = read_regular_file(path, what="'latest' file", max_bytes=LATEST_MAX_BYTES)
+        data = read_regular_file(path, what="'latest' file", max_bytes=LATEST_MAX_BYTES,
+                                 root=save_dir)
     except FileNotFoundError:
         return None
     try:
@@ -138,7 +139,7 @@ def resume_candidates(save_dir: str, *,
 def _global_steps(tag_path: str) -> Optional[int]:
     try:   # bounded and non-blocking: a FIFO or /dev/zero here is just not a candidate
         data = read_regular_file(os.path.join(tag_path, MANIFEST_NAME), what="manifest",
-                                 max_bytes=MANIFEST_MAX_BYTES)
+                                 max_bytes=MANIFEST_MAX_BYTES, root=tag_path)
         steps = json.loads(data)["counters"]["global_steps"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError, CheckpointError):
         return None

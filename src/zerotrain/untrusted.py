@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 _PROC_FD = "/proc/self/fd"
+CONFIG_MAX_BYTES = 16 << 20   # a model's config.json is a few KB
 
 
 class UnsafeFile(ValueError):

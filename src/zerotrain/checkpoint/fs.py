@@ -46,6 +46,7 @@ from typing import Callable, Optional
 
 from .manifest import (LATEST_NAME, MANIFEST_MAX_BYTES, MANIFEST_NAME, CheckpointError,
                        check_tag, read_regular_file)
+from .. import untrusted
 from .stfile import fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -202,13 +203,13 @@ def _holder(fd: int) -> str:
     info = os.fstat(fd)
     inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
     try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                if "FLOCK" in fields and inode in fields and "->" not in fields:
-                    return fields[fields.index(inode) - 1]
-    except OSError:
-        pass
+        text = untrusted.read_text("/proc/locks", what="kernel lock table", max_bytes=64 << 20)
+    except (OSError, untrusted.UnsafeFile):
+        return "unknown"
+    for line in text.splitlines():
+        fields = line.split()
+        if "FLOCK" in fields and inode in fields and "->" not in fields:
+            return fields[fields.index(inode) - 1]
     return "unknown"
 
 

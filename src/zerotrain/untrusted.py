@@ -95,7 +95,14 @@ def open_file(path: str, *, what: str, root: Optional[str] = None,
               max_bytes: Optional[int] = None) -> Iterator[Opened]:
     """Open ``path`` for reading after the checks of Note: what the opener checks.
     FileNotFoundError when it is missing; :class:`UnsafeFile` for everything else."""
-    real = inside(path, root) if root is not None else path
+    if root is not None:   # a device or FIFO is named as such, wherever it lies
+        try:
+            _checked(os.stat(path), path, what, None)
+        except OSError:
+            pass   # missing or unreadable: the open below says which
+        real = inside(path, root)
+    else:
+        real = path
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
     if root is not None:
         flags |= getattr(os, "O_NOFOLLOW", 0)

@@ -85,7 +85,7 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
         for group, shapes in enumerate(self.model.get("param_shapes") or []):
             for name in shapes:
                 folder = os.path.join(zero, name)
-                if not os.path.isfile(os.path.join(folder, "fp32.pt")):
+                if not os.path.lexists(os.path.join(folder, "fp32.pt")):
                     raise CheckpointError(f"Universal checkpoint {path} has no "
                                           f"{os.path.join(ZERO_DIR, name, 'fp32.pt')}")
                 self.params[name] = SimpleNamespace(group=group)
@@ -101,7 +101,7 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
         if self._cache is not None and self._cache[0] == (name, key):
             return self._cache[1]
         file = os.path.join(self._zero, name, f"{'fp32' if key == 'master' else key}.pt")
-        if not os.path.isfile(file):
+        if not os.path.lexists(file):
             raise CheckpointError(f"Universal checkpoint {self.path} has no {file}")
         value = load_file(file, mmap=False, root=self.path)
         if isinstance(value, dict):

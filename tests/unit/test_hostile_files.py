@@ -5,9 +5,11 @@ tests/dist/test_hostile_state.py."""
 import ast
 import json
 import os
+import pickle
 import shutil
 import signal
 import struct
+import subprocess
 import sys
 import zipfile
 
@@ -488,3 +490,115 @@ def test_the_scan_sees_each_way_of_opening(tmp_path):
                       "    mmap.mmap(0, 1); untrusted.read_json(p)\n")
     whats = [what for _, _, what in _opens(str(sample))]
     assert len(whats) == 10, whats   # every line but the opener's own call
+
+
+# --------------------------------------------------------------------------- pickle bombs
+def _memo_chain(levels: int, container: bytes) -> bytes:
+    """Level i is ``(level i-1, level i-1)`` built from the memo: a few bytes per level,
+    2**levels parts to walk. ``container`` closes a MARK: TUPLE or LIST."""
+    out = b")q\x000"   # EMPTY_TUPLE, BINPUT 0, POP
+    for i in range(1, levels + 1):
+        out += b"(h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + container + b"q" + bytes([i])
+        out += b"0" if i < levels else b""
+    return out
+
+
+BOMBS = {
+    # a memo-shared nested tuple used as a dict key: hashing it never ends
+    "tuple_key": b"\x80\x02}" + _memo_chain(60, b"t") + b"Ns.",
+    # the same as a list, handed to torch.serialization._get_layout (printed as a str)
+    "layout_list": b"\x80\x02ctorch.serialization\n_get_layout\n" + _memo_chain(60, b"l")
+                   + b"\x85R.",
+    # a tuple nested 100000 deep used as a dict key: hashing it overflows the C stack
+    "deep_key": b"\x80\x02}N" + b"\x85" * 100_000 + b"Ns.",
+}
+_CHILD = """
+import sys
+from zerotrain.checkpoint import CheckpointError
+{setup}
+for name, target in {targets!r}:
+    try:
+        {call}
+        print(name, "LOADED", flush=True)
+    except CheckpointError as exc:
+        print(name, "REFUSED", str(exc).replace(chr(10), " "), flush=True)
+"""
+
+
+def _run_bounded(setup: str, call: str, targets: list) -> dict:
+    """Run the reads in a child process: a regression that spins (in C, where no signal
+    reaches Python) fails here on the timeout instead of hanging the suite."""
+    code = _CHILD.format(setup=setup, targets=targets, call=call)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still reading after 240 s: {call}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {line.split(" ", 1)[0]: line.split(" ", 1)[1]
+            for line in done.stdout.splitlines() if line}
+
+
+def test_pickle_bombs_in_a_dcp_metadata_are_refused(tmp_path):
+    targets = []
+    for name, data in BOMBS.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(data)
+        targets.append((name, str(folder)))
+    result = _run_bounded("from zerotrain.checkpoint.dcp.metadata import read_metadata",
+                          "read_metadata(target)", targets)
+    for name, folder in targets:
+        assert result[name].startswith("REFUSED"), (name, result[name])
+        assert ".metadata" in result[name] and "pickle" in result[name], result[name]
+
+
+def test_pickle_bombs_in_a_deepspeed_model_file_are_refused_by_load_and_consolidate(
+        tmp_path):
+    """torch's weights-only unpickler takes each of these; the pre-scan of ``data.pkl``
+    inside the zip refuses them before ``torch.load`` runs."""
+    bombs = {"tuple_key": BOMBS["tuple_key"], "deep_key": BOMBS["deep_key"]}
+    nested = b"\x80\x02}X\x06\x00\x00\x00nestedq\xff" + _memo_chain(60, b"l") + b"s."
+    bombs["shared_lists"] = nested   # a client_state list shared 2**60 ways
+    targets = []
+    for name, data in bombs.items():
+        save_dir = _copy(tmp_path / name)
+        _with_pickle(os.path.join(save_dir, TAG, MODEL), data)
+        targets.append((name, save_dir))
+    setup = ("from zerotrain.checkpoint import get_fp32_state_dict_from_zero_checkpoint\n"
+             "from zerotrain.checkpoint.deepspeed import DeepSpeedCheckpoint\n"
+             "import os")
+    loaded = _run_bounded(setup, f"DeepSpeedCheckpoint(os.path.join(target, {TAG!r}))",
+                          targets)
+    consolidated = _run_bounded(setup, "get_fp32_state_dict_from_zero_checkpoint(target)",
+                                targets)
+    for result in (loaded, consolidated):
+        for name, _ in targets:
+            assert result[name].startswith("REFUSED"), (name, result[name])
+            assert MODEL in result[name] and "pickle" in result[name], result[name]
+
+
+def test_get_layout_accepts_only_a_string(tmp_path):
+    from zerotrain.checkpoint.dcp.metadata import ALLOWED
+    from zerotrain.checkpoint.restricted import restricted_loads
+    data = b"\x80\x02ctorch.serialization\n_get_layout\n(X\x01\x00\x00\x00xl\x85R."
+    with pytest.raises(CheckpointError, match=r"x\.metadata"):
+        restricted_loads(data, ALLOWED, path="x.metadata", what="DCP .metadata")
+    good = b"\x80\x02ctorch.serialization\n_get_layout\nX\r\x00\x00\x00torch.strided\x85R."
+    assert restricted_loads(good, ALLOWED, path="x", what="x") == "torch.strided"
+
+
+@pytest.mark.parametrize("case", ["ops", "memo_miss", "truncated", "depth", "shared"])
+def test_the_pickle_scan_bounds_each_kind_of_work(case):
+    """Each budget of the pre-scan on its own, on pickles a real save never writes."""
+    from zerotrain.checkpoint.restricted import MAX_DEPTH, UnsafePickle, scan_pickle
+    data, budget = {
+        "ops": (b"\x80\x02" + b"N0" * 2000 + b"N.", {"max_ops": 1000}),
+        "memo_miss": (b"\x80\x02h\x07.", {}),
+        "truncated": (b"\x80\x02X\xff\xff\xff\x7fabc.", {}),
+        "depth": (b"\x80\x02N" + b"\x85" * (MAX_DEPTH + 1) + b".", {}),
+        "shared": (b"\x80\x02" + _memo_chain(30, b"l") + b".", {}),
+    }[case]
+    with pytest.raises(UnsafePickle):
+        scan_pickle(data, **budget)
+    scan_pickle(pickle.dumps({"a": [(1, 2)] * 1000, "b": list(range(10_000))}))   # fine

@@ -11,8 +11,10 @@ Note: the pre-scan bounds the work, not only the bytes
     data, a memo fetch of a slot never stored, and, after simulating the stack with one
     node per container, any object whose expansion (its size with every shared reference
     counted again, which is what hashing, ``==`` and ``repr`` walk) exceeds
-    :data:`MIN_EXPANSION` or :data:`EXPANSION_PER_OP` times the opcodes, or whose nesting
-    is deeper than :data:`MAX_DEPTH`. All of it is linear in the pickle's size.
+    :data:`MIN_EXPANSION` or :data:`EXPANSION_PER_OP` times the pickle's bytes, or whose
+    nesting is deeper than :data:`MAX_DEPTH`: as each container is built (most bombs stop
+    within a few hundred opcodes), and once more over the whole graph at the end (a
+    container filled after it was shared). All of it is linear in the pickle's size.
     torch archives (``torch.save``'s zip) have their ``data.pkl`` records scanned before
     ``torch.load`` (weights-only) sees the file (:func:`load_torch`).
 
@@ -50,106 +52,143 @@ def scan_pickle(data: bytes, *, max_ops: int = MAX_OPS) -> None:
     """Raise :class:`UnsafePickle` unless unpickling ``data`` and walking the result is
     bounded (Note: the pre-scan bounds the work, not only the bytes)."""
     children: list[list[int]] = []
+    sizes: list[int] = []    # lower bounds while scanning (a container may grow later)
+    depths: list[int] = []
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[int, int] = {}
-    ops = 0
+    limit = max(MIN_EXPANSION, EXPANSION_PER_OP * len(data))
+    floor = 0   # the stack may not be popped below the innermost MARK
 
-    def node(kids: list[int]) -> int:
+    def grow(at: int, kids: list[int]) -> None:
+        size, depth = sizes[at], depths[at]
+        for kid in kids:
+            if kid >= 0:
+                size += sizes[kid]
+                if depths[kid] >= depth:
+                    depth = depths[kid] + 1
+            else:
+                size += 1
+        sizes[at], depths[at] = size, depth
+        if size > limit or depth > MAX_DEPTH:
+            _refuse_over(size, depth, limit)
+
+    def new(kids: list[int]) -> int:
         children.append(kids)
+        sizes.append(1)
+        depths.append(1)
+        grow(len(children) - 1, kids)
         return len(children) - 1
 
-    def pop() -> int:
-        if len(stack) <= (marks[-1] if marks else 0):
+    def pop(count: int) -> list[int]:
+        if len(stack) - count < floor:
             raise UnsafePickle("pops below its stack (malformed)")
-        return stack.pop()
-
-    def pop_mark() -> list[int]:
-        if not marks:
-            raise UnsafePickle("has no MARK where one is needed (malformed)")
-        start = marks.pop()
-        items = stack[start:]
-        del stack[start:]
+        items = stack[len(stack) - count:]
+        del stack[len(stack) - count:]
         return items
 
-    def add(kids: list[int]) -> None:
-        if len(stack) <= (marks[-1] if marks else 0):
-            raise UnsafePickle("adds items to nothing (malformed)")
-        if stack[-1] != _ATOM:
-            children[stack[-1]].extend(kids)
-
+    ops = 0
     try:
         for op, arg, _ in pickletools.genops(data):
             ops += 1
+            kind = _KIND.get(op.name, _UNKNOWN)
+            if kind == _PUSH_ATOM:
+                stack.append(_ATOM)
+            elif kind == _MEMO_GET:
+                if arg not in memo:
+                    raise UnsafePickle(f"fetches memo slot {arg}, which was never stored")
+                stack.append(memo[arg])
+            elif kind == _MEMO_PUT:
+                if len(stack) <= floor:
+                    raise UnsafePickle("memoizes an empty stack (malformed)")
+                memo[len(memo) if arg is None else arg] = stack[-1]
+            elif kind == _MARK:
+                marks.append(len(stack))
+                floor = len(stack)
+            elif kind in (_BUILD_FROM_MARK, _ADD_FROM_MARK):
+                if not marks:
+                    raise UnsafePickle("has no MARK where one is needed (malformed)")
+                start = marks.pop()
+                floor = marks[-1] if marks else 0
+                items = stack[start:]
+                del stack[start:]
+                if kind == _BUILD_FROM_MARK:
+                    stack.append(new(items))
+                elif len(stack) <= floor:
+                    raise UnsafePickle("adds items to nothing (malformed)")
+                elif stack[-1] != _ATOM:
+                    children[stack[-1]].extend(items)
+                    grow(stack[-1], items)
+            elif kind == _EMPTY:
+                stack.append(new([]))
+            elif kind > 0:   # pop ``kind`` items and push one node made of them
+                stack.append(new(pop(kind)))
+            elif kind == _ADD:   # APPEND, SETITEM, BUILD: items into the object below
+                items = pop(2 if op.name == "SETITEM" else 1)
+                if len(stack) <= floor:
+                    raise UnsafePickle("adds items to nothing (malformed)")
+                if stack[-1] == _ATOM:
+                    stack[-1] = new([_ATOM])
+                children[stack[-1]].extend(items)
+                grow(stack[-1], items)
+            elif kind == _REPLACE:   # BINPERSID, STACK_GLOBAL: pops, pushes a value
+                pop(1 if op.name == "BINPERSID" else 2)
+                stack.append(_ATOM)
+            elif kind == _POP:
+                pop(1)
+            elif kind == _POP_MARK:
+                if not marks:
+                    raise UnsafePickle("has no MARK where one is needed (malformed)")
+                del stack[marks.pop():]
+                floor = marks[-1] if marks else 0
+            elif kind == _DUP:
+                if len(stack) <= floor:
+                    raise UnsafePickle("duplicates nothing (malformed)")
+                stack.append(stack[-1])
+            elif kind == _STOP:
+                break
+            elif kind == _UNKNOWN:
+                raise UnsafePickle(f"uses the opcode {op.name}, which no checkpoint needs")
             if ops > max_ops:
                 raise UnsafePickle(f"has more than {max_ops} opcodes")
-            name = op.name
-            if name in _ATOMS:
-                stack.append(_ATOM)
-            elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
-                stack.append(node([]))
-            elif name == "MARK":
-                marks.append(len(stack))
-            elif name == "STOP":
-                break
-            elif name == "POP":
-                pop()
-            elif name == "POP_MARK":
-                pop_mark()
-            elif name == "DUP":
-                stack.append(stack[-1] if stack else pop())
-            elif name in ("BINPERSID",):
-                pop()
-                stack.append(_ATOM)
-            elif name == "STACK_GLOBAL":
-                pop(), pop()
-                stack.append(_ATOM)
-            elif name in ("REDUCE", "NEWOBJ"):
-                args, func = pop(), pop()
-                stack.append(node([func, args]))
-            elif name == "NEWOBJ_EX":
-                kwargs, args, cls = pop(), pop(), pop()
-                stack.append(node([cls, args, kwargs]))
-            elif name == "BUILD":
-                state = pop()
-                if stack and stack[-1] == _ATOM:
-                    stack[-1] = node([_ATOM])
-                add([state])
-            elif name == "APPEND":
-                add([pop()])
-            elif name == "SETITEM":
-                value, key = pop(), pop()
-                add([key, value])
-            elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
-                add(pop_mark())
-            elif name in ("TUPLE", "LIST", "DICT", "FROZENSET", "INST", "OBJ"):
-                stack.append(node(pop_mark()))
-            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                items = [pop() for _ in range(int(name[-1]))][::-1]
-                stack.append(node(items))
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                if not stack:
-                    raise UnsafePickle("memoizes an empty stack (malformed)")
-                memo[len(memo) if name == "MEMOIZE" else int(arg)] = stack[-1]
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                if int(arg) not in memo:
-                    raise UnsafePickle(f"fetches memo slot {arg}, which was never stored")
-                stack.append(memo[int(arg)])
-            elif name not in ("PROTO", "FRAME", "READONLY_BUFFER"):
-                raise UnsafePickle(f"uses the opcode {name}, which no checkpoint needs")
     except UnsafePickle:
         raise
     except (ValueError, EOFError, OverflowError, MemoryError) as exc:   # genops: truncated
         raise UnsafePickle(f"is malformed ({exc})") from None
-    _check_expansion(children, max(MIN_EXPANSION, EXPANSION_PER_OP * ops))
+    _check_expansion(children, limit)
 
 
-_ATOMS = frozenset({
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
-    "NONE", "NEWTRUE", "NEWFALSE", "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE",
-    "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES",
-    "BINBYTES8", "BYTEARRAY8", "GLOBAL", "PERSID", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER",
-    "EMPTY_TUPLE"})
+# What each opcode does to the simulated stack: a positive kind pops that many items and
+# pushes one container made of them (TUPLE1-3, REDUCE, NEWOBJ, NEWOBJ_EX); the rest below.
+(_PUSH_ATOM, _MEMO_GET, _MEMO_PUT, _MARK, _BUILD_FROM_MARK, _ADD_FROM_MARK, _EMPTY, _ADD,
+ _REPLACE, _POP, _POP_MARK, _DUP, _STOP, _NOTHING, _UNKNOWN) = range(-1, -16, -1)
+_KIND = {
+    **dict.fromkeys(("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",
+                     "FLOAT", "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "STRING",
+                     "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
+                     "SHORT_BINUNICODE", "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES",
+                     "BINBYTES8", "BYTEARRAY8", "GLOBAL", "PERSID", "EXT1", "EXT2", "EXT4",
+                     "NEXT_BUFFER", "EMPTY_TUPLE"), _PUSH_ATOM),
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), _MEMO_GET),
+    **dict.fromkeys(("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"), _MEMO_PUT),
+    "MARK": _MARK,
+    **dict.fromkeys(("TUPLE", "LIST", "DICT", "FROZENSET", "INST", "OBJ"), _BUILD_FROM_MARK),
+    **dict.fromkeys(("APPENDS", "SETITEMS", "ADDITEMS"), _ADD_FROM_MARK),
+    **dict.fromkeys(("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"), _EMPTY),
+    "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3,
+    **dict.fromkeys(("APPEND", "SETITEM", "BUILD"), _ADD),
+    **dict.fromkeys(("BINPERSID", "STACK_GLOBAL"), _REPLACE),
+    "POP": _POP, "POP_MARK": _POP_MARK, "DUP": _DUP, "STOP": _STOP,
+    **dict.fromkeys(("PROTO", "FRAME", "READONLY_BUFFER"), _NOTHING),
+}
+
+
+def _refuse_over(size: int, depth: int, limit: int) -> None:
+    if size > limit:
+        raise UnsafePickle(f"builds an object that expands to more than {limit} parts "
+                           "(containers shared through its memo, a hash bomb)")
+    if depth > MAX_DEPTH:
+        raise UnsafePickle(f"nests containers deeper than {MAX_DEPTH} levels")
 
 
 def _check_expansion(children: list[list[int]], limit: int) -> None:
@@ -180,11 +219,7 @@ def _check_expansion(children: list[list[int]], limit: int) -> None:
                     deepest = max(deepest, depth[kid])
                 else:
                     total += 1
-            if total > limit:
-                raise UnsafePickle(f"builds an object that expands to more than {limit} "
-                                   "parts (containers shared through its memo, a hash bomb)")
-            if deepest + 1 > MAX_DEPTH:
-                raise UnsafePickle(f"nests containers deeper than {MAX_DEPTH} levels")
+            _refuse_over(total, deepest + 1, limit)
             size[at], depth[at], state[at] = total, deepest + 1, 2
 
 

@@ -493,23 +493,31 @@ def test_the_scan_sees_each_way_of_opening(tmp_path):
 
 
 # --------------------------------------------------------------------------- pickle bombs
-def _memo_chain(levels: int, container: bytes) -> bytes:
-    """Level i is ``(level i-1, level i-1)`` built from the memo: a few bytes per level,
-    2**levels parts to walk. ``container`` closes a MARK: TUPLE or LIST."""
-    out = b")q\x000"   # EMPTY_TUPLE, BINPUT 0, POP
+def _tuple_chain(levels: int) -> bytes:
+    """Level i is ``(level i-1, level i-1)``, its second half fetched from the memo: three
+    bytes per level, 2**levels tuples to hash. Opcodes torch's weights-only unpickler takes."""
+    out = b")q\x00"                                     # EMPTY_TUPLE, BINPUT 0
     for i in range(1, levels + 1):
-        out += b"(h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + container + b"q" + bytes([i])
-        out += b"0" if i < levels else b""
+        out += b"h" + bytes([i - 1]) + b"\x86q" + bytes([i])   # BINGET, TUPLE2, BINPUT
+    return out
+
+
+def _list_chain(levels: int) -> bytes:
+    """Lists level i = ``[level i-1, level i-1]`` from the memo, every level left on the
+    stack (torch's unpickler has no POP): close with a MARK-taking opcode."""
+    out = b"]q\x00"                                     # EMPTY_LIST, BINPUT 0
+    for i in range(1, levels + 1):
+        out += b"]q" + bytes([i]) + b"(h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"e"
     return out
 
 
 BOMBS = {
     # a memo-shared nested tuple used as a dict key: hashing it never ends
-    "tuple_key": b"\x80\x02}" + _memo_chain(60, b"t") + b"Ns.",
-    # the same as a list, handed to torch.serialization._get_layout (printed as a str)
-    "layout_list": b"\x80\x02ctorch.serialization\n_get_layout\n" + _memo_chain(60, b"l")
-                   + b"\x85R.",
-    # a tuple nested 100000 deep used as a dict key: hashing it overflows the C stack
+    "tuple_key": b"\x80\x02}" + _tuple_chain(60) + b"Ns.",
+    # shared lists handed to torch.serialization._get_layout, which printed its argument
+    "layout_list": b"\x80\x02ctorch.serialization\n_get_layout\nq\xc8" + _list_chain(60)
+                   + b"h\xc8h\x3c\x85R.",   # _get_layout(level 60)
+    # a tuple nested 100000 deep used as a dict key
     "deep_key": b"\x80\x02}N" + b"\x85" * 100_000 + b"Ns.",
 }
 _CHILD = """
@@ -558,7 +566,7 @@ def test_pickle_bombs_in_a_deepspeed_model_file_are_refused_by_load_and_consolid
     """torch's weights-only unpickler takes each of these; the pre-scan of ``data.pkl``
     inside the zip refuses them before ``torch.load`` runs."""
     bombs = {"tuple_key": BOMBS["tuple_key"], "deep_key": BOMBS["deep_key"]}
-    nested = b"\x80\x02}X\x06\x00\x00\x00nestedq\xff" + _memo_chain(60, b"l") + b"s."
+    nested = b"\x80\x02}X\x06\x00\x00\x00nestedq\xff(" + _list_chain(60) + b"ts."
     bombs["shared_lists"] = nested   # a client_state list shared 2**60 ways
     targets = []
     for name, data in bombs.items():
@@ -597,7 +605,7 @@ def test_the_pickle_scan_bounds_each_kind_of_work(case):
         "memo_miss": (b"\x80\x02h\x07.", {}),
         "truncated": (b"\x80\x02X\xff\xff\xff\x7fabc.", {}),
         "depth": (b"\x80\x02N" + b"\x85" * (MAX_DEPTH + 1) + b".", {}),
-        "shared": (b"\x80\x02" + _memo_chain(30, b"l") + b".", {}),
+        "shared": (b"\x80\x02(" + _list_chain(30) + b"t.", {}),
     }[case]
     with pytest.raises(UnsafePickle):
         scan_pickle(data, **budget)

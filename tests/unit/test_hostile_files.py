@@ -547,6 +547,7 @@ def _run_bounded(setup: str, call: str, targets: list) -> dict:
             for line in done.stdout.splitlines() if line}
 
 
+@pytest.mark.slow
 def test_pickle_bombs_in_a_dcp_metadata_are_refused(tmp_path):
     targets = []
     for name, data in BOMBS.items():
@@ -561,6 +562,7 @@ def test_pickle_bombs_in_a_dcp_metadata_are_refused(tmp_path):
         assert ".metadata" in result[name] and "pickle" in result[name], result[name]
 
 
+@pytest.mark.slow
 def test_pickle_bombs_in_a_deepspeed_model_file_are_refused_by_load_and_consolidate(
         tmp_path):
     """torch's weights-only unpickler takes each of these; the pre-scan of ``data.pkl``

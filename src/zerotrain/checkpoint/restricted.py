@@ -11,7 +11,7 @@ Note: the pre-scan bounds the work, not only the bytes
     data, a memo fetch of a slot never stored, and, after simulating the stack with one
     node per container, any object whose expansion (its size with every shared reference
     counted again, which is what hashing, ``==`` and ``repr`` walk) exceeds
-    :data:`MIN_EXPANSION` or :data:`EXPANSION_PER_OP` times the pickle's bytes, or whose
+    :data:`MIN_EXPANSION` or :data:`EXPANSION_PER_BYTE` times the pickle's bytes, or whose
     nesting is deeper than :data:`MAX_DEPTH`: as each container is built (most bombs stop
     within a few hundred opcodes), and once more over the whole graph at the end (a
     container filled after it was shared). All of it is linear in the pickle's size.
@@ -39,7 +39,7 @@ from .manifest import CheckpointError
 MAX_OPS = 1 << 24            # a DCP .metadata of 100k tensors is ~2M opcodes
 MAX_DEPTH = 400              # below the interpreter's recursion limit, for repr and hash
 MIN_EXPANSION = 1 << 22      # ~4M nodes to walk: tens of milliseconds
-EXPANSION_PER_OP = 8
+EXPANSION_PER_BYTE = 8
 INFLATE_RATIO = 64           # declared size of compressed zip records per byte of archive
 _ATOM = -1
 
@@ -57,7 +57,7 @@ def scan_pickle(data: bytes, *, max_ops: int = MAX_OPS) -> None:
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[int, int] = {}
-    limit = max(MIN_EXPANSION, EXPANSION_PER_OP * len(data))
+    limit = max(MIN_EXPANSION, EXPANSION_PER_BYTE * len(data))
     floor = 0   # the stack may not be popped below the innermost MARK
 
     def grow(at: int, kids: list[int]) -> None:

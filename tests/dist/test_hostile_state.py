@@ -221,3 +221,71 @@ def test_hostile_zerotrain_state_is_refused_and_every_rank_loads_one_save(worlds
         assert res["steps_huge"][0] is not None and "global_steps" in res["steps_huge"][0]
         assert res["steps"] == 2, res["steps"]             # rank 0 resolved ``latest``
         assert res["resaved"] is not None and "different saves" in res["resaved"]
+
+
+# --------------------------------------------------------------------------- one rank only
+ONE_RANK_CASES = ("fifo", "symlink_out", "pickle_bomb")
+
+
+def _one_rank_copies(base) -> dict[str, str]:
+    """The fixture tag as rank 0 sees it (``good``) and, per case, as rank 1 sees it with
+    one hostile file (per-node copies of a checkpoint can differ)."""
+    from test_hostile_files import BOMBS, _with_pickle
+    roots = {"good": str(base / "good")}
+    shutil.copytree(F.SAVE_DIR, roots["good"])
+    for case in ONE_RANK_CASES:
+        root = base / case
+        shutil.copytree(F.SAVE_DIR, root)
+        optim = root / TAG / OPTIMS[1]
+        if case == "fifo":
+            os.remove(optim)
+            os.mkfifo(optim)
+        elif case == "symlink_out":
+            outside = base / "elsewhere" / case
+            outside.mkdir(parents=True)
+            shutil.move(str(optim), str(outside / OPTIMS[1]))
+            os.symlink(outside / OPTIMS[1], optim)
+        else:
+            _with_pickle(str(root / TAG / MODEL), BOMBS["tuple_key"])
+        roots[case] = str(root)
+    return roots
+
+
+def _one_rank_job(rank, world, roots):
+    from zerotrain.checkpoint import CheckpointError
+
+    engine = F.build()
+    F.first_step(engine, rank, world)
+    before = F.snapshot(engine)
+    out = {}
+    for case in ONE_RANK_CASES:
+        try:
+            engine.load_checkpoint(roots["good"] if rank == 0 else roots[case], tag=TAG)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a raw error is what the test refuses
+            error = f"raw {type(exc).__name__}: {exc}"
+        out[case] = (error, F.same(before, F.snapshot(engine)))
+    engine.load_checkpoint(roots["good"], tag=TAG)   # the group still works afterwards
+    out["after"] = engine.global_steps
+    engine.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_file_only_one_rank_reads_badly_is_refused_on_every_rank(worlds, tmp_path):
+    """Rank 1 alone meets a FIFO, a symlink out of the tag or a pickle bomb: its refusal
+    goes through the load's agreement, so both ranks raise, neither hangs in a collective,
+    and neither rank's state changes."""
+    roots = _one_rank_copies(tmp_path)
+    results = worlds.run(2, _one_rank_job, roots)
+    for rank, res in enumerate(results):
+        for case in ONE_RANK_CASES:
+            error, unchanged = res[case]
+            assert error is not None and not error.startswith("raw"), (rank, case, error)
+            assert unchanged, (rank, case)
+        assert res["after"] == M.BEFORE
+    named = {"fifo": OPTIMS[1], "symlink_out": OPTIMS[1], "pickle_bomb": MODEL}
+    for case, name in named.items():
+        assert name in results[1][case][0], (case, results[1][case][0])

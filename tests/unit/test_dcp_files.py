@@ -93,3 +93,57 @@ def test_a_truncated_chunk_file_is_named(tmp_path):
                 f.truncate(100)
     with pytest.raises(CheckpointError, match=r"\.distcp ends before '"):
         DcpCheckpoint(str(tmp_path), _model()).full("0.weight", "master")
+
+
+def _edit_metadata(folder, edit) -> None:
+    path = os.path.join(str(folder), ".metadata")
+    with open(path, "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_a_chunk_length_beyond_its_shape_is_refused_before_reading(tmp_path):
+    """A chunk of a 7x5 float tensor holds 140 bytes and a record's headers: a declared
+    length of megabytes (or gigabytes, read from what lies there) is refused unread."""
+    _write_dcp(str(tmp_path))
+
+    def edit(meta):
+        index = next(i for i in meta.storage_data if i.fqn == "model.0.weight")
+        meta.storage_data[index].length = 2 << 20   # more than 140 bytes and any headers
+    _edit_metadata(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"'model\.0\.weight'.* declares \d+ bytes for 35 "
+                                              r"torch\.float32 elements"):
+        DcpCheckpoint(str(tmp_path), _model()).full("0.weight", "master")
+
+
+def test_a_declared_shape_its_chunks_do_not_cover_is_refused_before_allocating(tmp_path):
+    """The shape in .metadata is only a claim: 2**45 elements for a 35-element chunk would
+    be allocated (or fail deep in torch) before the chunks were checked."""
+    _write_dcp(str(tmp_path))
+
+    def edit(meta):
+        meta.state_dict_metadata["model.0.weight"].size = torch.Size([7, 5 << 40])
+    _edit_metadata(tmp_path, edit)
+    ckpt = DcpCheckpoint(str(tmp_path), _model())
+    with pytest.raises(CheckpointError, match=r"cover 35 of its \d+ elements .*refusing to "
+                                              "allocate"):
+        ckpt.full("0.weight", "master")
+
+
+def test_chunks_sharing_bytes_of_a_file_are_refused(tmp_path):
+    """Two chunks declared over the same bytes would let a small file fill a large tensor."""
+    _write_dcp(str(tmp_path))
+
+    def edit(meta):
+        md = meta.state_dict_metadata["model.0.weight"]
+        first = md.chunks[0]
+        md.size = torch.Size([14, 5])
+        md.chunks.append(type(first)(offsets=torch.Size([7, 0]), sizes=first.sizes))
+        index = next(i for i in meta.storage_data if i.fqn == "model.0.weight")
+        meta.storage_data[type(index)("model.0.weight", torch.Size([7, 0]))] = \
+            meta.storage_data[index]
+    _edit_metadata(tmp_path, edit)
+    with pytest.raises(CheckpointError, match="share bytes"):
+        DcpCheckpoint(str(tmp_path), _model()).full("0.weight", "master")

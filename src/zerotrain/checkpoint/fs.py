@@ -46,6 +46,7 @@ from typing import Callable, Optional
 
 from .manifest import (LATEST_NAME, MANIFEST_MAX_BYTES, MANIFEST_NAME, CheckpointError,
                        check_tag, read_regular_file)
+from .. import untrusted
 from .stfile import fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ def read_latest_text(save_dir: str) -> Optional[str]:
     """
     path = os.path.join(save_dir, LATEST_NAME)
     try:
-        data = read_regular_file(path, what="'latest' file", max_bytes=LATEST_MAX_BYTES)
+        data = read_regular_file(path, what="'latest' file", max_bytes=LATEST_MAX_BYTES,
+                                 root=save_dir)
     except FileNotFoundError:
         return None
     try:
@@ -138,7 +140,7 @@ def resume_candidates(save_dir: str, *,
 def _global_steps(tag_path: str) -> Optional[int]:
     try:   # bounded and non-blocking: a FIFO or /dev/zero here is just not a candidate
         data = read_regular_file(os.path.join(tag_path, MANIFEST_NAME), what="manifest",
-                                 max_bytes=MANIFEST_MAX_BYTES)
+                                 max_bytes=MANIFEST_MAX_BYTES, root=tag_path)
         steps = json.loads(data)["counters"]["global_steps"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError, CheckpointError):
         return None
@@ -201,13 +203,13 @@ def _holder(fd: int) -> str:
     info = os.fstat(fd)
     inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
     try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                if "FLOCK" in fields and inode in fields and "->" not in fields:
-                    return fields[fields.index(inode) - 1]
-    except OSError:
-        pass
+        text = untrusted.read_text("/proc/locks", what="kernel lock table", max_bytes=64 << 20)
+    except (OSError, untrusted.UnsafeFile):
+        return "unknown"
+    for line in text.splitlines():
+        fields = line.split()
+        if "FLOCK" in fields and inode in fields and "->" not in fields:
+            return fields[fields.index(inode) - 1]
     return "unknown"
 
 

@@ -122,21 +122,23 @@ def safe_file(directory: str, name: Any, *, what: str) -> str:
     return os.path.join(directory, name)
 
 
-def check_regular_file(path: str, *, what: str, max_bytes: Optional[int] = None) -> int:
+def check_regular_file(path: str, *, what: str, max_bytes: Optional[int] = None,
+                       root: Optional[str] = None) -> int:
     """``untrusted.check_regular_file`` raising CheckpointError (a missing file too)."""
     try:
-        return untrusted.check_regular_file(path, what=what, max_bytes=max_bytes)
+        return untrusted.check_regular_file(path, what=what, max_bytes=max_bytes, root=root)
     except FileNotFoundError:
         raise CheckpointError(f"{what} {path} is missing") from None
     except untrusted.UnsafeFile as exc:
         raise CheckpointError(str(exc)) from None
 
 
-def read_regular_file(path: str, *, what: str, max_bytes: int) -> bytes:
+def read_regular_file(path: str, *, what: str, max_bytes: int,
+                      root: Optional[str] = None) -> bytes:
     """``untrusted.read_regular_file`` raising CheckpointError (FileNotFoundError when the
     file is missing, for callers to whom that is normal)."""
     try:
-        return untrusted.read_regular_file(path, what=what, max_bytes=max_bytes)
+        return untrusted.read_regular_file(path, what=what, max_bytes=max_bytes, root=root)
     except untrusted.UnsafeFile as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -151,7 +153,7 @@ def read_manifest(tag_dir: str) -> dict:
     """Parse and validate ``tag_dir/manifest.json`` (no tensor is read)."""
     path = os.path.join(tag_dir, MANIFEST_NAME)
     try:
-        manifest = json.loads(read_regular_file(path, what="manifest",
+        manifest = json.loads(read_regular_file(path, what="manifest", root=tag_dir,
                                                 max_bytes=MANIFEST_MAX_BYTES))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete zerotrain "

@@ -17,6 +17,8 @@ import os
 import stat
 import threading
 
+from .. import untrusted
+
 SCRIPT_NAME = "zero_to_fp32.py"
 
 # DeepSpeed's ``deepspeed.utils.logger`` is zerotrain's package logger, and the message
@@ -68,17 +70,25 @@ def change_permissions(dst: str) -> None:
                         f"{exc}. Continuing without changing permissions.")
 
 
+def _current(dst: str, save_dir: str) -> bool:
+    """Whether ``dst`` already holds :data:`SCRIPT` (read through the one opener: a FIFO
+    planted there must not hang the save)."""
+    try:
+        return untrusted.read_text(dst, what="recovery script", root=save_dir,
+                                   max_bytes=4 * len(SCRIPT) + 4096) == SCRIPT
+    except (FileNotFoundError, untrusted.UnsafeFile):
+        return False
+
+
 def write_script(save_dir: str) -> None:
     """Rank 0, after publishing: ``save_dir/zero_to_fp32.py`` (replaced whole through a
     temporary file and a rename, then made executable). Failures are logged, not raised."""
     dst = os.path.join(save_dir, SCRIPT_NAME)
     tmp = f"{dst}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
-        if os.path.isfile(dst) and not os.path.islink(dst):
-            with open(dst, encoding="utf-8", errors="replace") as f:
-                if f.read(len(SCRIPT) + 1) == SCRIPT:
-                    change_permissions(dst)
-                    return
+        if os.path.isfile(dst) and not os.path.islink(dst) and _current(dst, save_dir):
+            change_permissions(dst)
+            return
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(SCRIPT)
         os.replace(tmp, dst)

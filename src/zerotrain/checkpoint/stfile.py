@@ -8,7 +8,8 @@ Note: why our own writer
     shape and byte range, then the raw little-endian bytes back to back. :func:`write_file`
     writes the header from the specs, then each tensor as it is produced, and fsyncs. Reading
     always goes through the ``safetensors`` library (``safe_open``), which validates the
-    header and never unpickles anything.
+    header and never unpickles anything, opened through the one opener
+    (``untrusted.open_safetensors``: a regular file inside the tag, header size bounded).
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
+from .. import untrusted
 from .manifest import CheckpointError
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -31,6 +33,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 _ALIGN = 8  # the header is padded with spaces so the data starts 8-byte aligned
+MAX_HEADER_BYTES = 16 << 20   # ~200k tensors; a checkpoint file holds far fewer (parsing a
+                              # million entries costs the library ~10 s and ~1.2 GB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +148,15 @@ class Reader:
         """The open ``safe_open`` handle of ``filename`` (validates its header)."""
         if filename not in self._open:
             path = os.path.join(self.directory, filename)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"checkpoint file {path} is missing")
-            _check_header_size(path)
-            try:
-                self._open[filename] = self._stack.enter_context(
-                    safe_open(path, framework="pt", device="cpu"))
+            try:   # the one opener: a regular file inside the directory, header bounded
+                self._open[filename] = self._stack.enter_context(untrusted.open_safetensors(
+                    path, what="checkpoint file", root=self.directory,
+                    max_header_bytes=MAX_HEADER_BYTES))
                 self._keys[filename] = frozenset(self._open[filename].keys())  # once per file
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint file {path} is missing") from None
+            except untrusted.UnsafeFile as exc:
+                raise CheckpointError(str(exc)) from None
             except (SafetensorError, OSError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint file {path} is corrupted or truncated: "
                                       f"{exc}") from exc
@@ -201,20 +207,6 @@ class Reader:
         self.elements_read += tensor.numel()
         self.bytes_read += tensor.numel() * tensor.element_size()
 
-
-MAX_HEADER_BYTES = 16 << 20   # ~200k tensors; a checkpoint file holds far fewer
-
-
-def _check_header_size(path: str) -> None:
-    """Refuse a header too large to be ours before ``safe_open`` parses it: a million
-    entries cost the parser ~10 s and ~1.2 GB (measured on 2 cores)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-    size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-    if size > MAX_HEADER_BYTES:
-        raise CheckpointError(f"checkpoint file {path} declares a header of {size} bytes, "
-                              f"more than the {MAX_HEADER_BYTES} a checkpoint file needs; "
-                              "refusing to parse it")
 
 
 def specs_of(items: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:

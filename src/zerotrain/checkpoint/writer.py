@@ -31,12 +31,14 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import untrusted
 from .manifest import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64   # every staged tensor starts on a 64-byte boundary
 MARKER_SUFFIX = ".written"
+_MARKER_MAX_BYTES = 1 << 16   # {"size": N, "error": one line}
 
 
 class StagingBuffer:
@@ -193,11 +195,12 @@ def wait_markers(tmp: str, world: int, abandon: threading.Event,
             if rank in found:
                 continue
             try:
-                with open(os.path.join(tmp, marker_name(rank)), encoding="utf-8") as f:
-                    found[rank] = json.load(f)
+                found[rank] = untrusted.read_json(os.path.join(tmp, marker_name(rank)),
+                                                  what="rank marker", root=tmp,
+                                                  max_bytes=_MARKER_MAX_BYTES)
             except FileNotFoundError:
                 pass
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError) as exc:   # UnsafeFile is a ValueError
                 found[rank] = {"size": 0, "error": f"unreadable marker: {exc}"}
         if len(found) == world:
             break

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Mapping, Optional
+
+from .. import untrusted
 
 __all__ = ["MAX_DIMENSION", "ModelShape", "SequenceLengthError", "activation_bytes",
            "check_positions", "position_table", "shape_from_hf_config", "shape_from_module",
@@ -66,15 +67,19 @@ class ModelShape:
         return None not in (self.hidden_size, self.num_layers, self.num_heads, self.vocab_size)
 
 
-def _read_config(config: Any) -> tuple[dict, str]:
+def read_model_config(config: Any) -> tuple[dict, str]:
+    """A model config (a mapping, or a config.json path read through the one opener) and
+    where it came from; ValueError naming the file when it cannot be one."""
     if isinstance(config, Mapping):
         return dict(config), "config"
     path = os.fspath(config)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read model config {path}: {exc}") from None
+    try:   # the one opener: a FIFO would hang the estimate, /dev/zero exhaust its memory
+        data = untrusted.read_json(path, what="model config", max_bytes=untrusted.CONFIG_MAX_BYTES,
+                                   root=os.path.dirname(os.path.abspath(path)))
+    except FileNotFoundError:
+        raise ValueError(f"cannot read model config {path}: no such file") from None
+    except untrusted.UnsafeFile as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(data, dict):
         raise ValueError(f"model config {path} must hold a JSON object")
     return data, path
@@ -152,7 +157,7 @@ def _llama(cfg: Mapping, where: str) -> ModelShape:
 def shape_from_hf_config(config: Any) -> ModelShape:
     """Count a Hugging Face ``config.json`` (a path or a dict) of a GPT-2 or Llama-style
     decoder. Raises ValueError for layouts it cannot count (encoders, mixtures of experts)."""
-    cfg, where = _read_config(config)
+    cfg, where = read_model_config(config)
     if any(key in cfg for key in ("num_local_experts", "num_experts", "n_routed_experts")):
         raise ValueError(f"{where}: mixture-of-experts configs are not counted; pass "
                          "module:callable to build the model on the meta device instead")

@@ -17,19 +17,18 @@ Note: why transformers needs help under zero.Init
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 from transformers import initialization as hf_init
 from transformers.utils import cached_file
 
+from .. import untrusted
 from ..config import read_config_dict
 from ..errors import ConfigError
 from ..zero import GatheredParameters, Init
@@ -38,6 +37,8 @@ from .hf_config import zero_stage
 __all__ = ["config_dict", "from_pretrained", "gathered_state_dict", "zero3_init"]
 
 logger = logging.getLogger(__name__)
+_INDEX_MAX_BYTES = 64 << 20     # a safetensors index lists names: never this large
+_HEADER_MAX_BYTES = 100 << 20   # the safetensors library's own limit on a header
 
 
 def config_dict(args_or_config: Any) -> dict:
@@ -132,8 +133,20 @@ def _safetensors_files(name_or_path: str, hub: dict) -> list[str]:
     index = cached_file(name_or_path, "model.safetensors.index.json",
                         _raise_exceptions_for_missing_entries=False, **hub)
     if index is not None:
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            weight_map = untrusted.read_json(index, what="safetensors index", root=_root(index),
+                                             max_bytes=_INDEX_MAX_BYTES)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except untrusted.UnsafeFile as exc:
+            raise ConfigError("from_pretrained", str(exc)) from None
+        except (KeyError, TypeError, AttributeError):
+            raise ConfigError("from_pretrained", f"{index} has no weight_map of shard "
+                              "file names") from None
+        bad = [s for s in shards if not isinstance(s, str) or os.path.basename(s) != s
+               or s in ("", ".", "..")]
+        if bad:
+            raise ConfigError("from_pretrained", f"{index} names the shard {bad[0]!r}, which "
+                              "is not a file name beside it")
         return [cached_file(name_or_path, shard, **hub) for shard in shards]
     single = cached_file(name_or_path, "model.safetensors",
                          _raise_exceptions_for_missing_entries=False, **hub)
@@ -157,6 +170,28 @@ def _checkpoint_key(names: list[str], keys: dict, prefix: str) -> Optional[str]:
     return None
 
 
+def _root(file: str) -> str:
+    """The folder a weights file must lie in once its symlinks are resolved: a hub cache's
+    repository folder (``models--org--name``, whose ``snapshots/<rev>/`` files link into
+    its ``blobs/``), else the file's own folder."""
+    snapshot = os.path.dirname(os.path.abspath(file))
+    if os.path.basename(os.path.dirname(snapshot)) == "snapshots":
+        return os.path.dirname(os.path.dirname(snapshot))
+    return snapshot
+
+
+@contextlib.contextmanager
+def _open_weights(file: str) -> Iterator[Any]:
+    """``safe_open`` through the one opener (a regular file inside its folder)."""
+    try:
+        with untrusted.open_safetensors(file, what="safetensors weights file",
+                                        root=_root(file),
+                                        max_header_bytes=_HEADER_MAX_BYTES) as handle:
+            yield handle
+    except untrusted.UnsafeFile as exc:
+        raise ConfigError("from_pretrained", str(exc)) from None
+
+
 def load_checkpoint_gathered(model: nn.Module, files: list[str]) -> None:
     """Copy safetensors ``files`` into ``model`` (parameters partitioned or not).
 
@@ -165,7 +200,7 @@ def load_checkpoint_gathered(model: nn.Module, files: list[str]) -> None:
     """
     keys: dict[str, str] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _open_weights(file) as f:
             keys.update({key: file for key in f.keys()})
     prefix = getattr(model, "base_model_prefix", "") or ""
     names: dict[int, list[str]] = {}
@@ -204,7 +239,7 @@ def load_checkpoint_gathered(model: nn.Module, files: list[str]) -> None:
 
 
 def _read(keys: dict[str, str], key: str) -> torch.Tensor:
-    with safe_open(keys[key], framework="pt") as f:
+    with _open_weights(keys[key]) as f:
         return f.get_tensor(key)
 
 

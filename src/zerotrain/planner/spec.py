@@ -6,7 +6,6 @@ records without tracing anything; keeping them apart from the trace keeps both s
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -81,8 +80,8 @@ class StepPeak:
 def _hf_config(path: str):
     import transformers
 
-    with open(path, encoding="utf-8") as handle:
-        raw = json.load(handle)
+    from ..estimate.models import read_model_config   # the one opener's checks
+    raw, _ = read_model_config(path)
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{path}: not a Hugging Face config.json (no 'model_type' key)")
     raw = dict(raw)

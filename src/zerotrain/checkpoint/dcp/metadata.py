@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..manifest import CheckpointError
+from ..manifest import CheckpointError, read_regular_file
 from ..restricted import inert_classes, restricted_loads
 
 METADATA_NAME = ".metadata"
@@ -34,7 +34,17 @@ _DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16
 
 def _path(*parts: str) -> str:
     """``pathlib`` paths pickle as their parts; only the joined string is kept."""
-    return os.path.join(*[str(p) for p in parts]) if parts else ""
+    if not all(isinstance(p, str) for p in parts):
+        raise TypeError("a pathlib path's parts are strings")
+    return os.path.join(*parts) if parts else ""
+
+
+def _layout(name: str) -> str:
+    """``torch.serialization._get_layout(name)``: only the layout's name is kept, and it
+    must be a string (anything else would be printed: a nested list would never end)."""
+    if not isinstance(name, str) or len(name) > 64:
+        raise TypeError("a tensor layout is named by a short string")
+    return name
 
 
 ALLOWED: dict[tuple[str, str], Any] = {
@@ -42,7 +52,7 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,
-    ("torch.serialization", "_get_layout"): str,   # the layout's name is all that is kept
+    ("torch.serialization", "_get_layout"): _layout,
     ("collections", "OrderedDict"): dict,
     **{("torch", name): getattr(torch, name) for name in _DTYPES},
 }
@@ -75,13 +85,10 @@ def read_metadata(directory: str) -> dict[str, Entry]:
     directory, chunk ranges inside the tensor). Raises CheckpointError naming the problem."""
     path = os.path.join(directory, METADATA_NAME)
     try:
-        size = os.path.getsize(path)
-        if size > MAX_METADATA_BYTES:
-            raise CheckpointError(f"{path} is {size} bytes; a DCP .metadata is far smaller")
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+        data = read_regular_file(path, what="torch DCP .metadata", root=directory,
+                                 max_bytes=MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {directory} is not a DCP checkpoint") from None
     meta = restricted_loads(data, ALLOWED, path=path, what="torch DCP checkpoint's .metadata")
     try:
         return _entries(meta, directory)

@@ -5,12 +5,20 @@ moments, hyperparameters and the step count.
 Which keys are what: the model's tensors are ``model.<name>`` (or ``<name>`` at the top,
 torchtitan's layout); the optimizer's are ``optim|optimizer.state.<name>.<key>`` and its
 groups ``optim|optimizer.param_groups.<i>.<key>``, as ``get_state_dict`` returns them. The
-tensor payloads are ``torch.save`` records read with ``torch.load(weights_only=True)``
-(torch's own restricted unpickler); ``.metadata`` goes through ``metadata.py``.
+tensor payloads are ``torch.save`` records read through the one opener
+(``untrusted.open_file``: regular files inside the folder) and the one bounded unpickler
+(``restricted.load_torch``); ``.metadata`` goes through ``metadata.py``.
+
+Note: a chunk's declared sizes are bounded before anything is read or allocated
+    ``.metadata`` declares each entry's shape and each chunk's byte range; nothing makes
+    them true. Before a tensor is allocated every chunk must declare a byte length that
+    its elements need (at most :data:`RECORD_SLACK` more for the record's zip headers), lie
+    inside its file's real size, and not share bytes with another chunk of the entry; and
+    the chunks must cover the shape. So what an entry allocates is bounded by the bytes
+    really on disk, and what a chunk reads by its shape and dtype.
 """
 from __future__ import annotations
 
-import io
 import math
 import os
 from types import SimpleNamespace
@@ -18,10 +26,14 @@ from typing import Any, Optional
 
 import torch
 
-from ..manifest import CheckpointError, save_identity
+from ... import untrusted
+from ..manifest import CheckpointError, check_regular_file, save_identity
+from ..restricted import load_torch
 from .metadata import METADATA_NAME, Entry, read_metadata
 
 _OPTIM_KEYS = ("optim", "optimizer")
+RECORD_SLACK = 1 << 20           # a torch.save record's zip headers around a tensor's bytes
+MAX_BYTES_ITEM = 64 << 20        # a pickled non-tensor item (param_groups, a step count)
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening",
                     "nesterov")
 
@@ -74,6 +86,7 @@ class DcpCheckpoint:
         self._frozen = [n for n in self.model if n not in self.params
                         and n not in self._buffers and n not in self._aliases]
         self._cache: Optional[tuple[tuple[str, str], torch.Tensor]] = None
+        self._sizes: dict[str, int] = {}
 
     @property
     def model_file(self) -> str:
@@ -100,10 +113,13 @@ class DcpCheckpoint:
         if self._cache is not None and self._cache[0] == (name, key):
             return self._cache[1]
         entry = self._entry(name, key)
+        self._check_chunks(entry)
         out = torch.zeros(entry.shape, dtype=entry.dtype)
         covered = 0
+        itemsize = out.element_size()
         for chunk in entry.chunks:
-            value = self._load(chunk, entry.key)
+            value = self._load(chunk, entry.key, math.prod(chunk.sizes) * itemsize
+                               + RECORD_SLACK)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes:
                 raise CheckpointError(f"{self.path}: the chunk of {entry.key!r} at "
                                       f"{chunk.offsets} in {chunk.file} is not a tensor of "
@@ -119,19 +135,68 @@ class DcpCheckpoint:
         self._cache = ((name, key), out)
         return out
 
-    def _load(self, chunk, key: str) -> Any:
+    def _file_size(self, name: str) -> int:
+        """The real size of chunk file ``name``, checked by the one opener (a regular file
+        whose real path lies inside the checkpoint folder)."""
+        if name not in self._sizes:
+            self._sizes[name] = check_regular_file(os.path.join(self.path, name),
+                                                   what="torch DCP chunk file", root=self.path)
+        return self._sizes[name]
+
+    def _check_chunks(self, entry: Entry) -> None:
+        """Note: a chunk's declared sizes are bounded before anything is read or allocated."""
+        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        spans: dict[str, list[tuple[int, int]]] = {}
+        covered = 0
+        for chunk in entry.chunks:
+            where = f"{self.path}: the chunk of {entry.key!r} at {chunk.offsets} in {chunk.file}"
+            need = math.prod(chunk.sizes) * itemsize
+            if not need <= chunk.length <= need + RECORD_SLACK:
+                raise CheckpointError(f"{where} declares {chunk.length} bytes for "
+                                      f"{math.prod(chunk.sizes)} {entry.dtype} elements "
+                                      f"({need} bytes of data); refusing to read it")
+            size = self._file_size(chunk.file)
+            if chunk.offset + chunk.length > size:
+                raise CheckpointError(f"{os.path.join(self.path, chunk.file)} ends before "
+                                      f"{entry.key!r} (bytes {chunk.offset}.."
+                                      f"{chunk.offset + chunk.length}; the file is {size} "
+                                      "bytes)")
+            spans.setdefault(chunk.file, []).append((chunk.offset, chunk.offset + chunk.length))
+            covered += math.prod(chunk.sizes)
+        for file, ranges in spans.items():
+            ranges.sort()
+            if any(end > start for (_, end), (start, _) in zip(ranges, ranges[1:])):
+                raise CheckpointError(f"{self.path}: two chunks of {entry.key!r} share bytes "
+                                      f"of {file}; refusing to read them")
+        numel = math.prod(entry.shape)
+        if covered < numel:
+            raise CheckpointError(f"{self.path}: the chunks of {entry.key!r} cover {covered} "
+                                  f"of its {numel} elements (shape {entry.shape}); refusing "
+                                  "to allocate it")
+
+    def _load(self, chunk, key: str, bound: int) -> Any:
+        """One chunk's record: at most ``bound`` bytes (what its entry may declare), inside
+        the file's real size, through the one opener and the bounded unpickler."""
         path = os.path.join(self.path, chunk.file)
+        what = "torch DCP chunk file"
+        if chunk.length > bound:
+            raise CheckpointError(f"{path}: {key!r} declares {chunk.length} bytes, more than "
+                                  f"the {bound} it may hold; refusing to read it")
         try:
-            with open(path, "rb") as f:
-                f.seek(chunk.offset)
-                data = f.read(chunk.length)
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
-        if len(data) != chunk.length:
-            raise CheckpointError(f"{path} ends before {key!r} (bytes {chunk.offset}.."
-                                  f"{chunk.offset + chunk.length})")
+            with untrusted.open_file(path, what=what, root=self.path) as f:
+                if chunk.offset + chunk.length > f.size:
+                    raise CheckpointError(f"{path} ends before {key!r} (bytes {chunk.offset}.."
+                                          f"{chunk.offset + chunk.length}; the file is "
+                                          f"{f.size} bytes)")
+                data = f.read(chunk.offset, chunk.length)
+        except FileNotFoundError:
+            raise CheckpointError(f"{what} {path} is missing") from None
+        except untrusted.UnsafeFile as exc:
+            raise CheckpointError(f"{exc} (reading {key!r})") from None
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return load_torch(data, path=path, what=what)
+        except CheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001 - torch's restricted unpickler refused it
             raise CheckpointError(f"cannot read {key!r} from {path}: {type(exc).__name__}: "
                                   f"{exc}") from None
@@ -139,7 +204,7 @@ class DcpCheckpoint:
     def _bytes(self, entry: Entry) -> Any:
         if not entry.chunks:
             raise CheckpointError(f"{self.path}: {entry.key!r} has no storage entry")
-        return self._load(entry.chunks[0], entry.key)
+        return self._load(entry.chunks[0], entry.key, MAX_BYTES_ITEM)
 
     def read_into(self, name: str, key: str, start: int, end: int, out: torch.Tensor) -> None:
         out.copy_(self.full(name, key).reshape(-1)[start:end])

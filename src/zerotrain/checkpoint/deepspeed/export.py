@@ -9,12 +9,12 @@ the module weights of the model-states file (stages 1-2) are exported, cast to f
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator, Optional
 
 import torch
 
+from ... import untrusted
 from ..manifest import CheckpointError
 from ..stfile import TensorSpec
 from .source import DeepSpeedCheckpoint
@@ -51,14 +51,15 @@ class DeepSpeedExport:
         return self.ckpt.module_tensor(name).to(spec.dtype).reshape(spec.shape).contiguous()
 
     def hf_config(self) -> Optional[dict]:
-        path = os.path.join(os.path.dirname(os.path.abspath(self.path)), "config.json")
+        folder = os.path.dirname(os.path.abspath(self.path))
+        path = os.path.join(folder, "config.json")
         if not os.path.isfile(path):
             return None
         try:
-            with open(path, encoding="utf-8") as f:
-                value = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+            value = untrusted.read_json(path, what="model config", root=folder,
+                                        max_bytes=untrusted.CONFIG_MAX_BYTES)
+        except (FileNotFoundError, untrusted.UnsafeFile) as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
         return value if isinstance(value, dict) else None
 
     def _module_dtypes(self) -> dict[str, torch.dtype]:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from ... import untrusted
 from ..fs import read_latest_text
 from ..manifest import CheckpointError
 from .files import is_deepspeed_tag_dir
@@ -57,11 +58,11 @@ def find_universal_dir(load_dir: str, tag: Optional[Any] = None) -> Optional[str
 def _read_pointer(load_dir: str, name: str) -> Optional[str]:
     if name == "latest":
         return read_latest_text(load_dir)
-    path = os.path.join(load_dir, name)
-    if not os.path.isfile(path) or os.path.getsize(path) > 4096:
+    try:
+        return untrusted.read_text(os.path.join(load_dir, name), what="pointer file",
+                                   root=load_dir, max_bytes=4096).strip()
+    except (FileNotFoundError, untrusted.UnsafeFile):
         return None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read().strip()
 
 
 class UniversalCheckpoint(DeepSpeedCheckpoint):
@@ -74,7 +75,7 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
         super().__init__(path)
         zero = os.path.join(path, ZERO_DIR)
         self._zero = zero
-        state = load_file(os.path.join(zero, OPTIMIZER_FILE), mmap=False)
+        state = load_file(os.path.join(zero, OPTIMIZER_FILE), mmap=False, root=path)
         if not isinstance(state, dict):
             raise CheckpointError(f"{os.path.join(zero, OPTIMIZER_FILE)} holds a "
                                   f"{type(state).__name__}, not a dict")
@@ -84,7 +85,7 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
         for group, shapes in enumerate(self.model.get("param_shapes") or []):
             for name in shapes:
                 folder = os.path.join(zero, name)
-                if not os.path.isfile(os.path.join(folder, "fp32.pt")):
+                if not os.path.lexists(os.path.join(folder, "fp32.pt")):
                     raise CheckpointError(f"Universal checkpoint {path} has no "
                                           f"{os.path.join(ZERO_DIR, name, 'fp32.pt')}")
                 self.params[name] = SimpleNamespace(group=group)
@@ -100,9 +101,9 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
         if self._cache is not None and self._cache[0] == (name, key):
             return self._cache[1]
         file = os.path.join(self._zero, name, f"{'fp32' if key == 'master' else key}.pt")
-        if not os.path.isfile(file):
+        if not os.path.lexists(file):
             raise CheckpointError(f"Universal checkpoint {self.path} has no {file}")
-        value = load_file(file, mmap=False)
+        value = load_file(file, mmap=False, root=self.path)
         if isinstance(value, dict):
             value = value.get("param")
         if not isinstance(value, torch.Tensor):

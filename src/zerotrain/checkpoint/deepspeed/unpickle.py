@@ -13,23 +13,23 @@ Note: what a DeepSpeed pickle may name
     :class:`DeepSpeedRecord` subclass (inert data: constructing, calling or restoring one
     only stores its arguments and state, so DeepSpeed need not be installed). Every other
     global is refused with a :class:`CheckpointError` naming the global and the file.
-    TorchScript archives, which ``torch.load`` would hand to ``torch.jit.load``, and the
-    pre-1.6 non-zip format are refused before ``torch.load`` sees them; so are a path that
-    is not a regular file (a FIFO, ``/dev/zero``) and compressed records whose declared size
-    is out of proportion to the file (a zip bomb). Compressed records are read without
-    ``mmap`` (mapping would hand out the compressed bytes as tensor data).
+    The file is opened through ``untrusted.open_file`` (a regular file inside its folder:
+    no FIFO, no ``/dev/zero``, no symlink out) and read through ``restricted.load_torch``,
+    which refuses TorchScript archives (``torch.load`` would hand them to
+    ``torch.jit.load``), the pre-1.6 non-zip format, zip bombs and pickles whose work is
+    unbounded (a hash bomb) before ``torch.load`` sees the file. Compressed records are
+    read without ``mmap`` (mapping would hand out the compressed bytes as tensor data).
 """
 from __future__ import annotations
 
+import os
 import pickle
 import re
-import threading
-import zipfile
-from typing import Any
+from typing import Any, Optional
 
-import torch
-
-from ..manifest import CheckpointError, check_regular_file
+from ... import untrusted
+from ..manifest import CheckpointError
+from ..restricted import load_torch
 
 _RECORDS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -76,24 +76,29 @@ _RECORD_CLASSES = {tuple(name.rsplit(".", 1)): type(name.rsplit(".", 1)[1], (Dee
 
 
 _SAFE = [(cls, cls.qualname) for cls in _RECORD_CLASSES.values()] + [frozenset]
-_SAFE_LOCK = threading.Lock()   # one read at a time adds and removes the allowlist entries
 _UNSUPPORTED = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
-_INFLATE_RATIO = 64             # declared size of compressed records per byte of file
 
 
-def load_file(path: str, *, mmap: bool = True) -> Any:
+def load_file(path: str, *, mmap: bool = True, root: Optional[str] = None) -> Any:
     """The object in DeepSpeed file ``path``, read without running pickled code.
 
+    The file is opened through the one opener (``untrusted.open_file``: a regular file
+    whose real path lies inside ``root``, by default the file's own folder) and its pickle
+    pre-scanned (``restricted.load_torch``) before torch's weights-only unpickler reads it.
     With ``mmap`` tensors are views of the mapped file: only the elements read later are
     paged in, so opening a large optimizer-state file costs almost no memory (a file with
     compressed records is read whole instead).
     Raises CheckpointError naming the file (and the global, for a refused one).
     """
-    compressed = _check_archive(path)
+    what = "DeepSpeed checkpoint file"
     try:
-        with _SAFE_LOCK, torch.serialization.safe_globals(_SAFE):
-            return torch.load(path, map_location="cpu", weights_only=True,
-                              mmap=mmap and not compressed)
+        with untrusted.open_file(path, what=what,
+                                 root=os.path.dirname(path) if root is None else root) as f:
+            return load_torch(f, path=path, what=what, extra_globals=_SAFE, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except untrusted.UnsafeFile as exc:
+        raise CheckpointError(str(exc)) from None
     except pickle.UnpicklingError as exc:
         found = _UNSUPPORTED.search(str(exc))
         if found:
@@ -119,27 +124,3 @@ def _first_line(exc: BaseException) -> str:
         reason = [line for line in lines[1:] if not line.startswith("Check the documentation")]
         return (reason or lines[-1:] or [text])[0].strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _check_archive(path: str) -> bool:
-    """Refuse what ``torch.load`` must not see; whether any record is compressed."""
-    size = check_regular_file(path, what="DeepSpeed checkpoint file")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            infos = archive.infolist()
-    except FileNotFoundError:
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing") from None
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a torch.save zip archive ({exc}); only the "
-                              "zip format (torch >= 1.6, what DeepSpeed writes) is read") from None
-    names = [info.filename for info in infos]
-    if any(name.endswith("/constants.pkl") or "/code/" in name for name in names):
-        raise CheckpointError(f"refusing to read {path}: it is a TorchScript archive, which "
-                              "holds code; DeepSpeed checkpoints never are")
-    packed = [info for info in infos if info.compress_type != zipfile.ZIP_STORED]
-    declared = sum(info.file_size for info in packed)
-    if declared > _INFLATE_RATIO * size + (1 << 20):
-        raise CheckpointError(f"refusing to read {path}: its compressed records declare "
-                              f"{declared} bytes, more than {_INFLATE_RATIO} times the file's "
-                              f"{size}; torch.save writes records uncompressed")
-    return bool(packed)

@@ -399,6 +399,7 @@ ALLOWED_OPENS = {
     ("checkpoint/writer.py", "write_marker"): "writes this rank's marker",
     ("checkpoint/recovery.py", "write_script"): "writes zero_to_fp32.py aside",
     ("checkpoint/deepspeed/module_file.py", "write_module_file"): "fsyncs the file it wrote",
+    ("checkpoint/export_target.py", "_fsync_file"): "fsyncs a file the export wrote",
 }
 _READ_ATTRS = {"open", "read_bytes", "read_text", "fdopen", "from_file", "fromfile", "memmap",
                "mmap", "safe_open", "load_file", "Unpickler"}

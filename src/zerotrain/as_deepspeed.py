@@ -13,7 +13,8 @@ shadowed: when it is importable, :func:`install` refuses with :class:`DeepSpeedI
 
 Like DeepSpeed's launcher, the runner passes ``--local_rank=<LOCAL_RANK>`` to the script
 (``--no_local_rank`` turns that off, as in DeepSpeed). Run without a launcher, it sets
-``LOCAL_RANK=0`` first, as a launcher of one process would.
+the launcher's variables first, as DeepSpeed's launcher of one process would (Note: the
+launcher's variables).
 
 Note: aliases, not copies
     Each ``deepspeed.X`` is a small module object that forwards attribute reads to its
@@ -48,6 +49,22 @@ Note: distribution metadata
     ``find_distributions``) with a distribution built in memory: name ``deepspeed``,
     version ``zerotrain.DEEPSPEED_VERSION``. Nothing is written to disk; after
     :func:`uninstall`, or in any other process, ``deepspeed`` has no metadata again.
+
+Note: installing late
+    :func:`install` may be called at any point before the first ``import deepspeed``, also
+    after Accelerate or transformers were imported: those ask ``is_deepspeed_available()``
+    once, at import, and import their DeepSpeed wrappers only if it said yes, so the
+    modules already imported are given those names then
+    (``integrations/deepspeed_gates.py``). :func:`uninstall` leaves them there.
+
+Note: the launcher's variables
+    Run without a launcher, :func:`main` sets what DeepSpeed's launcher
+    (``deepspeed/launcher/launch.py``) sets for one process on one node: ``RANK=0``,
+    ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT=29500``,
+    ``LOCAL_SIZE=1``, ``CROSS_RANK=0``, ``CROSS_SIZE=1`` (the Trainer on the CPU needs the
+    rendezvous address). Under torchrun, whose variables stay as they are, the three
+    DeepSpeed-only names are derived from torchrun's (``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``). A variable already set is never changed.
 
 Note: Accelerate on a CPU host
     Accelerate (which the ``Trainer`` runs on) picks the process-group backend from the
@@ -290,6 +307,9 @@ def install() -> None:
             "not shadow it. Run the script where DeepSpeed is not installed, or change its "
             "import to `import zerotrain as deepspeed`")
     sys.meta_path.insert(0, _FINDER)
+    if "accelerate" in sys.modules or "transformers" in sys.modules:   # Note: installing late
+        from .integrations.deepspeed_gates import refresh
+        refresh()
 
 
 def uninstall() -> None:
@@ -324,6 +344,21 @@ def _accelerate_on_cpu() -> None:
     PartialState._prepare_backend = _prepare_backend
 
 
+def _launcher_environment(env: Any) -> None:
+    """DeepSpeed's launcher's variables, never overriding one (Note: the launcher's
+    variables)."""
+    if not any(k in env for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):   # no launcher
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            env.setdefault(key, value)
+    local = env.get("LOCAL_WORLD_SIZE", "1" if env.get("WORLD_SIZE") == "1" else None)
+    if local is not None:
+        env.setdefault("LOCAL_SIZE", local)
+        env.setdefault("CROSS_RANK", env.get("GROUP_RANK", "0"))
+        if local.isdigit() and int(local) and env.get("WORLD_SIZE", "").isdigit():
+            env.setdefault("CROSS_SIZE", str(int(env["WORLD_SIZE"]) // int(local)))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m zerotrain.as_deepspeed [--no_local_rank] (script.py | -m module) args``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -338,8 +373,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target, args = argv[0], argv[1:]
     install()
     _accelerate_on_cpu()
-    if not any(k in os.environ for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):
-        os.environ["LOCAL_RANK"] = "0"   # no launcher: one process, as a launcher of one
+    _launcher_environment(os.environ)
     if not no_local_rank and "LOCAL_RANK" in os.environ:
         args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
     if as_module:

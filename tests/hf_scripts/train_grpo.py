@@ -9,7 +9,6 @@ and for each ``generate()`` call on this rank the gathers counted around it
 import dataclasses
 import gc
 import json
-import os
 import time
 
 import torch

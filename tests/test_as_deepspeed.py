@@ -270,3 +270,66 @@ def test_switch_gives_deepspeed_metadata_to_its_own_process_only(tmp_path):
     with pytest.raises(md.PackageNotFoundError):
         md.version("deepspeed")
     assert not hf_deepspeed.is_deepspeed_available() and on_disk() == before
+
+
+def _site_run(site, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that treats ``site`` as a site-packages folder
+    (its .pth files run at start-up), as an environment the alias was installed into."""
+    boot = site.parent / "boot"
+    boot.mkdir(exist_ok=True)
+    (boot / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(boot), os.path.join(ROOT, "src")])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, env=env)
+
+
+@pytest.mark.slow
+def test_deepspeed_alias_installs_lazily_refuses_to_shadow_and_uninstalls(tmp_path,
+                                                                          monkeypatch):
+    """``zerotrain install-deepspeed-alias``: a ``deepspeed`` distribution for launchers
+    outside the switch (``accelerate launch --use_deepspeed``)."""
+    from zerotrain import DEEPSPEED_VERSION, deepspeed_alias
+    from zerotrain.cli import main
+
+    site = tmp_path / "site"
+    site.mkdir()
+    assert main(["install-deepspeed-alias", "--target", str(site)]) == 0
+    assert sorted(os.listdir(site)) == ["_zerotrain_deepspeed_alias.py",
+                                        f"deepspeed-{DEEPSPEED_VERSION}.dist-info",
+                                        "zerotrain-deepspeed-alias.pth"]
+    run = _site_run(site, "import sys, importlib.metadata as md\n"
+                    "lazy = 'zerotrain' not in sys.modules\n"
+                    "from accelerate.utils import is_deepspeed_available\n"
+                    "from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME\n"
+                    "import deepspeed, zerotrain\n"
+                    "print(lazy, md.version('deepspeed'), is_deepspeed_available(),\n"
+                    "      DEEPSPEED_ENVIRONMENT_NAME, deepspeed.initialize is "
+                    "zerotrain.initialize)\n")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", DEEPSPEED_VERSION, "True", ".deepspeed_env", "True"]
+    # idempotent; then removed, everything it wrote and nothing else
+    (site / "other.txt").write_text("kept")
+    assert main(["install-deepspeed-alias", "--target", str(site)]) == 0
+    assert main(["uninstall-deepspeed-alias", "--target", str(site)]) == 0
+    assert os.listdir(site) == ["other.txt"]
+    assert main(["uninstall-deepspeed-alias", "--target", str(site)]) == 0   # nothing there
+    # a real DeepSpeed is never shadowed: installed in that folder, or importable
+    real = site / "deepspeed-0.19.8.dist-info"
+    real.mkdir()
+    (real / "INSTALLER").write_text("pip\n")
+    with pytest.raises(deepspeed_alias.AliasError, match="will not shadow it"):
+        deepspeed_alias.install(str(site))
+    with pytest.raises(deepspeed_alias.AliasError, match="not zerotrain's alias"):
+        deepspeed_alias.uninstall(str(site))
+    assert main(["install-deepspeed-alias", "--target", str(site)]) == 1
+    assert sorted(os.listdir(site)) == ["deepspeed-0.19.8.dist-info", "other.txt"]
+    other = tmp_path / "elsewhere"
+    (other / "deepspeed").mkdir(parents=True)
+    (other / "deepspeed" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(other))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(deepspeed_alias.AliasError, match="deepspeed module is importable"):
+        deepspeed_alias.install(str(empty))
+    assert os.listdir(empty) == []

@@ -127,3 +127,31 @@ def test_accelerate_deepspeed_plugin_drives_zerotrain_like_plain_ddp(tmp_path):
         assert ours["processes"] == 2
         assert ours["losses"] == pytest.approx(plain["losses"], abs=1e-5), stage
         assert ours["weights"] == pytest.approx(plain["weights"], abs=1e-4), stage
+
+
+@pytest.mark.slow
+def test_accelerate_launch_use_deepspeed_through_the_alias(tmp_path):
+    """``accelerate launch --use_deepspeed`` (Accelerate's own launcher, outside the switch)
+    in an environment where ``zerotrain install-deepspeed-alias`` was run: the unchanged
+    command trains at stage 3 like plain DDP."""
+    from zerotrain.deepspeed_alias import install
+
+    site, boot = tmp_path / "site", tmp_path / "boot"
+    site.mkdir()
+    boot.mkdir()
+    install(str(site))
+    (boot / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
+    env = _env()   # the alias's .pth runs where site-packages' would: here, through boot
+    env["PYTHONPATH"] = os.pathsep.join([str(boot), env["PYTHONPATH"]])
+    out = tmp_path / "launched.json"
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+                          "--num_processes", "2", "--zero_stage", "3",
+                          os.path.join(ROOT, "tests", "hf_scripts", "accelerate_ds.py"),
+                          "--stage", "3", "--out", str(out)], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    ours = json.loads(out.read_text())
+    plain = _accelerate(tmp_path, "plain", ["torch.distributed.run"], ["--plain"])
+    assert ours["processes"] == 2
+    assert ours["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+    assert ours["weights"] == pytest.approx(plain["weights"], abs=1e-4)

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import pathlib
@@ -132,6 +133,9 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.checkpoint": None,
     "deepspeed.checkpoint.utils": "zerotrain.checkpoint.ds_utils",
     "deepspeed.runtime.zero.offload_config": "zerotrain.offload_names",
+    # ``accelerate launch --use_deepspeed`` (its launcher's constants only)
+    "deepspeed.launcher": None,
+    "deepspeed.launcher.runner": "zerotrain.launcher_names",
 }
 # DeepSpeed's names its own unit tests and their harness import: build and op records,
 # runtime.zero.config's models, and the optimizer classes for isinstance (optim_kinds).
@@ -342,6 +346,39 @@ def _accelerate_on_cpu() -> None:
 
     _prepare_backend.__zerotrain__ = True   # type: ignore[attr-defined]
     PartialState._prepare_backend = _prepare_backend
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then`` right after module ``name`` is first executed (once)."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then(module: types.ModuleType) -> None:
+            exec_module(module)
+            then()
+
+        spec.loader.exec_module = exec_then
+        return spec
+
+
+def accelerate_on_cpu_when_imported() -> None:
+    """The runner's CPU fix for Accelerate (Note: Accelerate on a CPU host), for processes
+    a launcher started with the switch installed lazily (``deepspeed_alias.py``): now if
+    ``accelerate.state`` is imported, else right after it is."""
+    if "accelerate.state" in sys.modules:
+        _accelerate_on_cpu()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("accelerate.state", _accelerate_on_cpu))
 
 
 def _launcher_environment(env: Any) -> None:

@@ -36,7 +36,10 @@ _HF_DEEPSPEED = "transformers.integrations.deepspeed"
 def refresh() -> list[str]:
     """Fill the gated names into the modules already imported; return those touched."""
     touched = []
-    loaded = [name for name in GATED if name in sys.modules]
+    # a module still being imported (its check is what installs the switch, through the
+    # alias's finder) runs its own gated import next: leave it alone
+    loaded = [name for name in GATED if name in sys.modules
+              and not _initializing(sys.modules[name])]
     if loaded:
         source = importlib.import_module("accelerate.utils.deepspeed")
         for name in loaded:
@@ -47,7 +50,11 @@ def refresh() -> list[str]:
             if missing:
                 touched.append(name)
     hf = sys.modules.get(_HF_DEEPSPEED)
-    if hf is not None and getattr(hf, "DeepSpeedConfig", None) is object:
+    if hf is not None and not _initializing(hf) and getattr(hf, "DeepSpeedConfig", None) is object:
         importlib.reload(hf)
         touched.append(_HF_DEEPSPEED)
     return touched
+
+
+def _initializing(module) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))

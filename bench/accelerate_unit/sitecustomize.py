@@ -52,4 +52,6 @@ if os.environ.get("ZEROTRAIN_AS_DEEPSPEED") == "1":
     from zerotrain import as_deepspeed
 
     as_deepspeed.install()
-    as_deepspeed.accelerate_on_cpu_when_imported()
+    later = getattr(as_deepspeed, "accelerate_on_cpu_when_imported", None)   # older zerotrain:
+    if later is not None:                                                     # none
+        later()

@@ -1,10 +1,13 @@
 """An ordinary TRL GRPO script: a tiny GPT-2 and a word-level tokenizer built in memory (no
 downloads), 16 fixed prompts, a reward that counts one token in each completion.
 
-Nothing here knows of zerotrain: ``--deepspeed ds_config.json`` goes to ``GRPOConfig``.
-Writes ``{"losses": [...], "generates": [...]}`` to ``--out`` on rank 0: the logged losses,
-and for each ``generate()`` call on this rank the gathers counted around it
-(``--count_gathers``, read from zerotrain's comm ledger when it is the backend).
+Nothing in the training knows of zerotrain: ``--deepspeed ds_config.json`` goes to
+``GRPOConfig``. Writes ``{"losses", "generates", "numel"}`` to ``--out`` on rank 0: the logged
+losses and, with ``--count_gathers`` (zerotrain only: it reads the engine's comm ledger), for
+each generation block on this rank the elements all-gathered around TRL's
+``unwrap_model_for_generation`` block and inside ``generate()``. ``--saved DIR``: a folder
+holding this same initial model (:func:`save_initial`), from which TRL builds the reference
+model when ``--beta`` > 0.
 """
 import dataclasses
 import gc

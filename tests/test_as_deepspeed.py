@@ -146,18 +146,36 @@ def test_deepspeed_version_is_the_release_zerotrain_follows_and_its_own_stays_re
         as_deepspeed.uninstall()
 
 
-def test_runner_without_a_launcher_passes_local_rank_zero_like_deepspeeds(tmp_path,
-                                                                           monkeypatch):
-    from zerotrain import as_deepspeed
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+
+def _launcher_env(monkeypatch, **values) -> None:
+    for key in LAUNCHER_VARS:
         monkeypatch.setenv(key, "0")   # recorded, so what main() sets is undone afterwards
         monkeypatch.delenv(key)
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+
+
+def _env_script(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text("import sys, json, deepspeed, deepspeed.accelerator\n"
+    script.write_text("import os, sys, json, deepspeed, deepspeed.accelerator\n"
                       "json.dump({'argv': sys.argv[1:], 'name': __name__,\n"
                       "           'device': deepspeed.accelerator.get_accelerator()"
-                      ".device_name()}, open(sys.argv[-1], 'w'))\n")
+                      ".device_name(),\n"
+                      f"           'env': {{k: os.environ.get(k) for k in {LAUNCHER_VARS}}}}},"
+                      " open(sys.argv[-1], 'w'))\n")
+    return script
+
+
+def test_runner_without_a_launcher_sets_deepspeeds_launcher_variables(tmp_path, monkeypatch):
+    """As DeepSpeed's launcher of one process: --local_rank=0 and RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT... (the Trainer on the CPU needs the rendezvous address)."""
+    from zerotrain import as_deepspeed
+
+    _launcher_env(monkeypatch)
+    script = _env_script(tmp_path)
     out = tmp_path / "out.json"
     monkeypatch.setattr(sys, "path", list(sys.path))
     try:
@@ -165,9 +183,51 @@ def test_runner_without_a_launcher_passes_local_rank_zero_like_deepspeeds(tmp_pa
         assert as_deepspeed.main(["--no_local_rank", str(script), str(out) + "2"]) == 0
     finally:
         as_deepspeed.uninstall()
-    assert json.loads(out.read_text()) == {"argv": ["--local_rank=0", "--flag", str(out)],
-                                           "name": "__main__", "device": "cpu"}
+    result = json.loads(out.read_text())
+    env = result.pop("env")
+    assert result == {"argv": ["--local_rank=0", "--flag", str(out)], "name": "__main__",
+                      "device": "cpu"}
+    assert env == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_SIZE": "1",
+                   "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_WORLD_SIZE": None,
+                   "GROUP_RANK": None}
     assert json.loads((tmp_path / "out.json2").read_text())["argv"] == [str(out) + "2"]
+
+
+def test_runner_under_torchrun_keeps_its_variables(tmp_path, monkeypatch):
+    from zerotrain import as_deepspeed
+
+    torchrun = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.2",
+                "MASTER_PORT": "1234", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    _launcher_env(monkeypatch, **torchrun)
+    script, out = _env_script(tmp_path), tmp_path / "out.json"
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert as_deepspeed.main([str(script), str(out)]) == 0
+    finally:
+        as_deepspeed.uninstall()
+    result = json.loads(out.read_text())
+    assert result["argv"] == ["--local_rank=1", str(out)]
+    assert result["env"] == dict(torchrun, LOCAL_SIZE="2", CROSS_RANK="1", CROSS_SIZE="2")
+
+
+@pytest.mark.slow
+def test_install_after_accelerate_and_transformers_were_imported():
+    """Accelerate and transformers gate their DeepSpeed names on availability at import:
+    install() after those imports still lets the Trainer and Accelerate's plugin import."""
+    code = ("import accelerate.utils, accelerate.accelerator\n"
+            "import transformers.integrations.deepspeed as hf\n"
+            "from zerotrain import as_deepspeed\n"
+            "as_deepspeed.install()\n"
+            "import transformers.trainer\n"
+            "from accelerate.utils import DeepSpeedSchedulerWrapper, DummyOptim\n"
+            "import accelerate.utils.deepspeed as acc\n"
+            "assert accelerate.accelerator.DummyOptim is acc.DummyOptim\n"
+            "assert issubclass(hf.HfDeepSpeedConfig, acc.HfDeepSpeedConfig)\n"
+            "print('imported')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0 and run.stdout.strip() == "imported", run.stderr[-3000:]
 
 
 def test_switch_gives_deepspeed_metadata_to_its_own_process_only(tmp_path):
@@ -210,3 +270,66 @@ def test_switch_gives_deepspeed_metadata_to_its_own_process_only(tmp_path):
     with pytest.raises(md.PackageNotFoundError):
         md.version("deepspeed")
     assert not hf_deepspeed.is_deepspeed_available() and on_disk() == before
+
+
+def _site_run(site, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that treats ``site`` as a site-packages folder
+    (its .pth files run at start-up), as an environment the alias was installed into."""
+    boot = site.parent / "boot"
+    boot.mkdir(exist_ok=True)
+    (boot / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(boot), os.path.join(ROOT, "src")])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, env=env)
+
+
+@pytest.mark.slow
+def test_deepspeed_alias_installs_lazily_refuses_to_shadow_and_uninstalls(tmp_path,
+                                                                          monkeypatch):
+    """``zerotrain install-deepspeed-alias``: a ``deepspeed`` distribution for launchers
+    outside the switch (``accelerate launch --use_deepspeed``)."""
+    from zerotrain import DEEPSPEED_VERSION, deepspeed_alias
+    from zerotrain.cli import main
+
+    site = tmp_path / "site"
+    site.mkdir()
+    assert main(["install-deepspeed-alias", "--target", str(site)]) == 0
+    assert sorted(os.listdir(site)) == ["_zerotrain_deepspeed_alias.py",
+                                        f"deepspeed-{DEEPSPEED_VERSION}.dist-info",
+                                        "zerotrain-deepspeed-alias.pth"]
+    run = _site_run(site, "import sys, importlib.metadata as md\n"
+                    "lazy = 'zerotrain' not in sys.modules\n"
+                    "from accelerate.utils import is_deepspeed_available\n"
+                    "from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME\n"
+                    "import deepspeed, zerotrain\n"
+                    "print(lazy, md.version('deepspeed'), is_deepspeed_available(),\n"
+                    "      DEEPSPEED_ENVIRONMENT_NAME, deepspeed.initialize is "
+                    "zerotrain.initialize)\n")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", DEEPSPEED_VERSION, "True", ".deepspeed_env", "True"]
+    # idempotent; then removed, everything it wrote and nothing else
+    (site / "other.txt").write_text("kept")
+    assert main(["install-deepspeed-alias", "--target", str(site)]) == 0
+    assert main(["uninstall-deepspeed-alias", "--target", str(site)]) == 0
+    assert os.listdir(site) == ["other.txt"]
+    assert main(["uninstall-deepspeed-alias", "--target", str(site)]) == 0   # nothing there
+    # a real DeepSpeed is never shadowed: installed in that folder, or importable
+    real = site / "deepspeed-0.19.8.dist-info"
+    real.mkdir()
+    (real / "INSTALLER").write_text("pip\n")
+    with pytest.raises(deepspeed_alias.AliasError, match="will not shadow it"):
+        deepspeed_alias.install(str(site))
+    with pytest.raises(deepspeed_alias.AliasError, match="not zerotrain's alias"):
+        deepspeed_alias.uninstall(str(site))
+    assert main(["install-deepspeed-alias", "--target", str(site)]) == 1
+    assert sorted(os.listdir(site)) == ["deepspeed-0.19.8.dist-info", "other.txt"]
+    other = tmp_path / "elsewhere"
+    (other / "deepspeed").mkdir(parents=True)
+    (other / "deepspeed" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(other))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(deepspeed_alias.AliasError, match="deepspeed module is importable"):
+        deepspeed_alias.install(str(empty))
+    assert os.listdir(empty) == []

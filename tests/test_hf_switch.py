@@ -118,12 +118,39 @@ def _accelerate(tmp_path, name: str, launcher: list, extra: list) -> dict:
 @pytest.mark.slow
 def test_accelerate_deepspeed_plugin_drives_zerotrain_like_plain_ddp(tmp_path):
     """Accelerate's own loop with its DeepSpeed plugin (no Trainer) at stage 3 (the Trainer
-    test above covers Accelerate's DeepSpeed path at stage 2)."""
+    test above covers Accelerate's DeepSpeed path at stage 2), through the switch and
+    through ``accelerate launch --use_deepspeed`` with the alias installed."""
     plain = _accelerate(tmp_path, "plain", ["torch.distributed.run"], ["--plain"])
     assert plain["processes"] == 2 and len(plain["losses"]) == 4
     for stage in (3,):
         ours = _accelerate(tmp_path, f"acc{stage}", ["zerotrain", "launch", "--as-deepspeed"],
                            ["--stage", str(stage)])
-        assert ours["processes"] == 2
-        assert ours["losses"] == pytest.approx(plain["losses"], abs=1e-5), stage
-        assert ours["weights"] == pytest.approx(plain["weights"], abs=1e-4), stage
+        launched = _accelerate_launch_with_the_alias(tmp_path, stage)
+        for run in (ours, launched):
+            assert run["processes"] == 2
+            assert run["losses"] == pytest.approx(plain["losses"], abs=1e-5), stage
+            assert run["weights"] == pytest.approx(plain["weights"], abs=1e-4), stage
+
+
+def _accelerate_launch_with_the_alias(tmp_path, stage: int) -> dict:
+    """``accelerate launch --use_deepspeed`` (Accelerate's own launcher, outside the switch)
+    in an environment where ``zerotrain install-deepspeed-alias`` was run: the command is
+    unchanged."""
+    from zerotrain.deepspeed_alias import install
+
+    site, boot = tmp_path / "site", tmp_path / "boot"
+    site.mkdir()
+    boot.mkdir()
+    install(str(site))
+    (boot / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
+    env = _env()   # the alias's .pth runs where site-packages' would: here, through boot
+    env["PYTHONPATH"] = os.pathsep.join([str(boot), env["PYTHONPATH"]])
+    out = tmp_path / "launched.json"
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+                          "--num_processes", "2", "--zero_stage", str(stage),
+                          os.path.join(ROOT, "tests", "hf_scripts", "accelerate_ds.py"),
+                          "--stage", str(stage), "--out", str(out)], cwd=str(tmp_path),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text())
+

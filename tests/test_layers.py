@@ -42,18 +42,19 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("comm", "accelerator"),),
     # 3. building blocks of a stage
     (("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
-      "offload_names", "tp"),),
+      "offload_names", "launcher_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("recompute",), ("zero", "checkpointing")),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine",), ("initialize",), ("planner",), ("__init__", "cli", "launch", "demo", "__main__"),
-     ("integrations", "as_deepspeed")),
+    (("engine",), ("initialize",), ("planner",),
+     ("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias"),
+     ("integrations",), ("as_deepspeed", "deepspeed_alias_hook")),
 )
 # Tiers whose members may import one another (entry points).
 PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
-    {("__init__", "cli", "launch", "demo", "__main__")})
+    {("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
@@ -79,7 +80,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
              ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
-    "engine": (("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+    "engine": (("parameter_offload",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),

@@ -13,7 +13,8 @@ shadowed: when it is importable, :func:`install` refuses with :class:`DeepSpeedI
 
 Like DeepSpeed's launcher, the runner passes ``--local_rank=<LOCAL_RANK>`` to the script
 (``--no_local_rank`` turns that off, as in DeepSpeed). Run without a launcher, it sets
-``LOCAL_RANK=0`` first, as a launcher of one process would.
+the launcher's variables first, as DeepSpeed's launcher of one process would (Note: the
+launcher's variables).
 
 Note: aliases, not copies
     Each ``deepspeed.X`` is a small module object that forwards attribute reads to its
@@ -49,6 +50,22 @@ Note: distribution metadata
     version ``zerotrain.DEEPSPEED_VERSION``. Nothing is written to disk; after
     :func:`uninstall`, or in any other process, ``deepspeed`` has no metadata again.
 
+Note: installing late
+    :func:`install` may be called at any point before the first ``import deepspeed``, also
+    after Accelerate or transformers were imported: those ask ``is_deepspeed_available()``
+    once, at import, and import their DeepSpeed wrappers only if it said yes, so the
+    modules already imported are given those names then
+    (``integrations/deepspeed_gates.py``). :func:`uninstall` leaves them there.
+
+Note: the launcher's variables
+    Run without a launcher, :func:`main` sets what DeepSpeed's launcher
+    (``deepspeed/launcher/launch.py``) sets for one process on one node: ``RANK=0``,
+    ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT=29500``,
+    ``LOCAL_SIZE=1``, ``CROSS_RANK=0``, ``CROSS_SIZE=1`` (the Trainer on the CPU needs the
+    rendezvous address). Under torchrun, whose variables stay as they are, the three
+    DeepSpeed-only names are derived from torchrun's (``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``). A variable already set is never changed.
+
 Note: Accelerate on a CPU host
     Accelerate (which the ``Trainer`` runs on) picks the process-group backend from the
     devices it finds; on a host with none it finds no backend for its DeepSpeed path, still
@@ -63,6 +80,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import pathlib
@@ -115,6 +133,9 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.checkpoint": None,
     "deepspeed.checkpoint.utils": "zerotrain.checkpoint.ds_utils",
     "deepspeed.runtime.zero.offload_config": "zerotrain.offload_names",
+    # ``accelerate launch --use_deepspeed`` (its launcher's constants only)
+    "deepspeed.launcher": None,
+    "deepspeed.launcher.runner": "zerotrain.launcher_names",
 }
 # DeepSpeed's names its own unit tests and their harness import: build and op records,
 # runtime.zero.config's models, and the optimizer classes for isinstance (optim_kinds).
@@ -290,6 +311,9 @@ def install() -> None:
             "not shadow it. Run the script where DeepSpeed is not installed, or change its "
             "import to `import zerotrain as deepspeed`")
     sys.meta_path.insert(0, _FINDER)
+    if "accelerate" in sys.modules or "transformers" in sys.modules:   # Note: installing late
+        from .integrations.deepspeed_gates import refresh
+        refresh()
 
 
 def uninstall() -> None:
@@ -324,6 +348,54 @@ def _accelerate_on_cpu() -> None:
     PartialState._prepare_backend = _prepare_backend
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then`` right after module ``name`` is first executed (once)."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then(module: types.ModuleType) -> None:
+            exec_module(module)
+            then()
+
+        spec.loader.exec_module = exec_then
+        return spec
+
+
+def accelerate_on_cpu_when_imported() -> None:
+    """The runner's CPU fix for Accelerate (Note: Accelerate on a CPU host), for processes
+    a launcher started with the switch installed lazily (``deepspeed_alias.py``): now if
+    ``accelerate.state`` is imported, else right after it is."""
+    if "accelerate.state" in sys.modules:
+        _accelerate_on_cpu()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("accelerate.state", _accelerate_on_cpu))
+
+
+def _launcher_environment(env: Any) -> None:
+    """DeepSpeed's launcher's variables, never overriding one (Note: the launcher's
+    variables)."""
+    if not any(k in env for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):   # no launcher
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            env.setdefault(key, value)
+    local = env.get("LOCAL_WORLD_SIZE", "1" if env.get("WORLD_SIZE") == "1" else None)
+    if local is not None:
+        env.setdefault("LOCAL_SIZE", local)
+        env.setdefault("CROSS_RANK", env.get("GROUP_RANK", "0"))
+        if local.isdigit() and int(local) and env.get("WORLD_SIZE", "").isdigit():
+            env.setdefault("CROSS_SIZE", str(int(env["WORLD_SIZE"]) // int(local)))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m zerotrain.as_deepspeed [--no_local_rank] (script.py | -m module) args``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -338,8 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target, args = argv[0], argv[1:]
     install()
     _accelerate_on_cpu()
-    if not any(k in os.environ for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):
-        os.environ["LOCAL_RANK"] = "0"   # no launcher: one process, as a launcher of one
+    _launcher_environment(os.environ)
     if not no_local_rank and "LOCAL_RANK" in os.environ:
         args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
     if as_module:

@@ -10,6 +10,10 @@
                                                                   script (`deepspeed` imports
                                                                   resolve to zerotrain)
     zerotrain consolidate CHECKPOINT_DIR OUTPUT_DIR [--tag T]      sharded checkpoint -> files
+    zerotrain install-deepspeed-alias [--target DIR]              a `deepspeed` distribution
+                                                                  that is zerotrain, for
+                                                                  `accelerate launch`
+    zerotrain uninstall-deepspeed-alias [--target DIR]            removes it
 
 ``launch`` hands everything to torchrun (``torch.distributed.run``), multi-node rendezvous
 included (``launch.py``); zerotrain has no launcher of its own. This module, ``launch.py``
@@ -143,7 +147,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("consolidate", add_help=False,
                    help="turn a sharded checkpoint into safetensors files: "
                    "CHECKPOINT_DIR OUTPUT_DIR [--tag T] [--max-shard-size 5GB]")
+    for name, what in (("install-deepspeed-alias", "write a `deepspeed` distribution that "
+                        "is zerotrain into site-packages (for `accelerate launch "
+                        "--use_deepspeed`); refused where DeepSpeed is installed"),
+                       ("uninstall-deepspeed-alias", "remove what install-deepspeed-alias "
+                        "wrote")):
+        p = sub.add_parser(name, help=what, description=what)
+        p.add_argument("--target", metavar="DIR", default=None,
+                       help="the site-packages folder (default: this interpreter's)")
     return parser
+
+
+def _deepspeed_alias(args: argparse.Namespace) -> int:
+    from .deepspeed_alias import AliasError, install, uninstall
+
+    try:
+        if args.command == "install-deepspeed-alias":
+            print(f"installed the deepspeed alias: {install(args.target)} (remove it with "
+                  "`zerotrain uninstall-deepspeed-alias`)")
+        else:
+            removed = uninstall(args.target)
+            print(f"removed {len(removed)} file(s) of the deepspeed alias" if removed else
+                  "the deepspeed alias is not installed there")
+    except AliasError as exc:
+        print(f"zerotrain {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _model_shape(parser: argparse.ArgumentParser, spec: str) -> ModelShape:
@@ -352,6 +381,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
         return run_demo(args)
+    if args.command in ("install-deepspeed-alias", "uninstall-deepspeed-alias"):
+        return _deepspeed_alias(args)
     return 2
 
 

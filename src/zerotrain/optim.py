@@ -194,6 +194,15 @@ class ZeroOptimizer:
         return self._view("forward_hooks")
 
     @property
+    def parameter_offload(self) -> Any:
+        """Stage 3: DeepSpeed's hooks object (``engine/parameter_offload.py``), which TRL's
+        and DeepSpeed's generation blocks take apart and put back. AttributeError
+        otherwise, so ``hasattr`` answers as with DeepSpeed's stage 1-2 optimizer."""
+        if self.views is None:
+            raise AttributeError("parameter_offload: this optimizer is not an engine's")
+        return self.views.parameter_offload()
+
+    @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 

@@ -56,7 +56,7 @@ def _overflow(rank, world, stage):
     norm = engine.get_global_grad_norm()
     R.train_engine(engine, steps=1, rank=rank, ga=1)  # training goes on afterwards
     return {"unchanged": unchanged, "applied": applied_after_overflow,
-            "norm_finite": math.isfinite(norm), "skipped": engine.skipped_steps,
+            "norm": norm, "skipped": engine.skipped_steps,
             "scale": (scale_before, engine.loss_scale), "global_steps": engine.global_steps,
             "finite_after": all(torch.isfinite(r.master).all().item()
                                 for r in engine.stage.shard_records()),
@@ -66,7 +66,9 @@ def _overflow(rank, world, stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(worlds, stage):
     for res in worlds.run(2, _overflow, stage):
-        assert res["unchanged"] and not res["applied"] and not res["norm_finite"], res
+        assert res["unchanged"] and not res["applied"], res
+        assert res["norm"] == math.inf, res   # DeepSpeed's value after an overflow (a nan
+        # gradient too): Accelerate's clip_grad_norm_ returns it
         assert res["skipped"] == 1 and res["global_steps"] == 3, res
         assert res["scale"] == (1024.0, 512.0), res
         assert res["finite_after"] and res["applied_next"], res

@@ -356,10 +356,36 @@ def test_auto_is_rejected(config: Dict[str, Any], path: str) -> None:
 
 def test_nvme_offload_needs_a_path() -> None:
     for name in ("offload_optimizer", "offload_param"):
-        error = config_error({**BASE, "zero_optimization": {name: {"device": "nvme"}}})
+        stage = {"stage": 3}   # offload_param has no effect below stage 3 (test below)
+        error = config_error({**BASE, "zero_optimization": {**stage, name: {"device": "nvme"}}})
         assert error.path == f"zero_optimization.{name}.nvme_path"
-        config = load({"zero_optimization": {name: {"device": "nvme", "nvme_path": "/nvme"}}})
+        config = load({"zero_optimization": {**stage, name: {"device": "nvme",
+                                                             "nvme_path": "/nvme"}}})
         assert getattr(config.zero_optimization, name).nvme_path == "/nvme"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("device", ["cpu", "nvme", "none"])
+def test_offload_param_below_stage3_is_accepted_with_no_effect(stage, device) -> None:
+    """As DeepSpeed (whose stage 1-2 optimizer never reads it; Accelerate writes the section
+    at every stage): read as device "none", one warning when it asked for more."""
+    import warnings
+
+    from zerotrain.config import ZeroTrainConfigWarning
+
+    section = {"device": device, "pin_memory": True}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = load({"zero_optimization": {"stage": stage, "offload_param": section}})
+    ours = [w for w in caught if issubclass(w.category, ZeroTrainConfigWarning)]
+    assert config.zero_optimization.offload_param.device == "none"
+    if device == "none":
+        assert not ours
+    else:
+        assert len(ours) == 1
+        assert str(ours[0].message) == (
+            f'zero_optimization.offload_param (device "{device}") has no effect below ZeRO '
+            f"stage 3: stage {stage} keeps whole parameters on the device, as DeepSpeed does")
 
 
 # --- DeepSpeed keys that are accepted but not implemented ----------------------------------

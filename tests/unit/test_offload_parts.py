@@ -23,8 +23,6 @@ def _zero(**zero):
 
 @pytest.mark.parametrize("zero,key", [
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device"),
-    ({"stage": 2, "offload_param": {"device": "cpu"},
-      "offload_optimizer": {"device": "cpu"}}, "offload_param.device"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5},
       "offload_param": {"device": "cpu"}}, "offload_optimizer.ratio"),
     ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5}},

@@ -5,7 +5,10 @@ sizes and the world size) is checked here, after the whole file has been validat
 """
 from __future__ import annotations
 
+import warnings
+
 from ..errors import AssertedConfigError, ConfigError
+from .keys import ZeroTrainConfigWarning
 from .schema import ZeroTrainConfig
 from .sections import TORCH_COMPILE_KWARGS
 from .walk import _unknown_key, _Walk
@@ -46,6 +49,22 @@ def _check_loss_scale_floor(result: ZeroTrainConfig) -> None:
                           f"initial scale 2**{fp16.initial_scale_power} = {start:g} "
                           "(fp16.initial_scale_power)", value=fp16.min_loss_scale,
                           suggestion="lower min_loss_scale or raise initial_scale_power")
+
+
+def ignore_param_offload_below_stage3(result: ZeroTrainConfig) -> ZeroTrainConfig:
+    """``offload_param`` below stage 3 is accepted and has no effect, as in DeepSpeed (whose
+    stage 1-2 optimizer never reads it; Accelerate's DeepSpeed plugin writes the section at
+    every stage). A device other than "none" is then read as "none", with one warning."""
+    zero = result.zero_optimization
+    offload = zero.offload_param
+    if zero.stage >= 3 or offload is None or offload.device == "none":
+        return result
+    warnings.warn(f'zero_optimization.offload_param (device "{offload.device}") has no effect '
+                  f"below ZeRO stage 3: stage {zero.stage} keeps whole parameters on the "
+                  "device, as DeepSpeed does", ZeroTrainConfigWarning, stacklevel=3)
+    none = offload.model_copy(update={"device": "none"})
+    return result.model_copy(update={
+        "zero_optimization": zero.model_copy(update={"offload_param": none})})
 
 
 def _check_unmanaged_accumulation(result: ZeroTrainConfig) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping, Union
 
 from ..errors import ConfigError
 from .batch import _resolve_batch
-from .checks import _check_combinations, _check_hierarchical
+from .checks import _check_combinations, _check_hierarchical, ignore_param_offload_below_stage3
 from .keys import ZeroTrainConfigWarning, unimplemented_message
 from .schema import ZeroTrainConfig
 from .sections import SCHEDULER_TYPES, ActivationCheckpointingConfig
@@ -45,6 +45,7 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
     tensor_parallel_size(data, world_size)   # refuses a size that does not divide the world
     _resolve_batch(data, world_size)   # Note "the world of the triangle" in batch.py
     result = _validate(ZeroTrainConfig, data, "", walk)
+    result = ignore_param_offload_below_stage3(result)
     _check_combinations(result, walk)
     _check_hierarchical(result.zero_optimization, world_size)
     check_other_parallelism(raw)

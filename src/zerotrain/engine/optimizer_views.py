@@ -115,6 +115,20 @@ class OptimizerViews:
         handles = getattr(self.engine().stage, "forward_hook_handles", None)
         return handles() if handles is not None else []
 
+    def parameter_offload(self) -> Any:
+        """Stage 3's hooks object under DeepSpeed's name (``parameter_offload.py``); an
+        AttributeError below stage 3, where DeepSpeed's optimizer has none either."""
+        engine = self.engine()
+        if not engine.stage.partitions_parameters:
+            raise AttributeError(
+                "parameter_offload is a ZeRO stage 3 attribute (the module hooks that gather "
+                f"parameters); this engine runs stage {engine.zero_optimization_stage()}")
+        offload = self.__dict__.get("_parameter_offload")
+        if offload is None:
+            from .parameter_offload import ParameterOffload
+            offload = self.__dict__["_parameter_offload"] = ParameterOffload(engine)
+        return offload
+
     def micro_step_id(self) -> int:
         """DeepSpeed's stage-3 count: the backwards whose gradients were reduced into the
         partitioned gradients since the last update (0: the next reduction starts them

@@ -21,8 +21,8 @@ class StepOutcome:
     """Result of one optimizer step at an accumulation boundary.
 
     applied: False when the step was skipped (fp16 overflow); parameters are then untouched.
-    grad_norm: global L2 norm of the averaged, unscaled gradient over all ranks (inf/nan on
-    overflow).
+    grad_norm: global L2 norm of the averaged, unscaled gradient over all ranks (inf on
+    overflow, a nan gradient included, as DeepSpeed's ``get_global_grad_norm()`` reports).
     """
 
     applied: bool

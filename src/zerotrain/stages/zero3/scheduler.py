@@ -161,6 +161,19 @@ class UnitScheduler:
         self._cursor = 0
         self._following = self._trace is not None
 
+    @property
+    def has_trace(self) -> bool:
+        """A pass's order is recorded and followed for prefetch (DeepSpeed's trace is not
+        invalid)."""
+        return self._trace is not None or bool(self._recording)
+
+    def forget_trace(self) -> None:
+        """Drop the recorded order (DeepSpeed's ``_invalidate_trace``): the next pass
+        records it again and prefetches nothing meanwhile. Local; results never depend on
+        the trace (Note: trace and prefetch)."""
+        self._trace, self._recording = None, []
+        self._recording_forward, self._cursor, self._following = None, 0, False
+
     def end_backward(self) -> None:
         """Release everything still gathered; forget this micro-step's bookkeeping."""
         for unit in self.units:

@@ -36,7 +36,7 @@ from ...offload import Storage
 from ...core.precision import PrecisionPolicy
 from ..base import FROZEN, BucketedStage, CompileTarget, RecordArrivals, ShardRecord
 from . import partition as P
-from ...errors import RankDivergenceError
+from ...errors import RankDivergenceError, StateError
 from .hierarchical import build_groups
 from .hooks import hooks_set_aside, install_module_hooks, unit_users
 from .lockstep import mark_lockstep
@@ -237,6 +237,23 @@ class PartitionedDataParallel(BucketedStage):
         dicts = {id(d) for m in self.module.modules()
                  for d in (m._forward_pre_hooks, m._forward_hooks)}
         return [h for h in self._handles if id(h.hooks_dict_ref()) in dicts]
+
+    def reinstall_forward_hooks(self) -> None:
+        """The forward hooks registered afresh on every module (DeepSpeed's
+        ``_register_deepspeed_module`` on the root, which TRL calls after removing them
+        around generation); any still registered are removed first, so none runs twice.
+        The scheduler's trace is re-recorded at the next pass. Local."""
+        if getattr(self, "_forward_hooks_aside", False):
+            raise StateError("stage 3's forward hooks cannot be registered again inside "
+                             "unwrap_model_for_generation, which puts them back at its end")
+        old = self.forward_hook_handles()
+        for handle in old:
+            handle.remove()
+        gone = {id(h) for h in old}
+        self._handles = install_module_hooks(self.module, self.units, self.scheduler,
+                                             self.scheduler.usage) + [
+            h for h in self._handles if id(h) not in gone]
+        self.scheduler.forget_trace()
 
     @contextlib.contextmanager
     def forward_hooks_set_aside(self) -> Iterator[None]:

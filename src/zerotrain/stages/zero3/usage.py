@@ -20,7 +20,7 @@ Note: usage records
         checkpointing, inside backward) left gathered for the backward that follows (the
         scheduler kept their unit: Note "trace and prefetch"); they leave the set when that
         backward takes the hold over, or when the hold is dropped.
-    ``param.is_external_param``, ``module._external_params``
+    ``param.is_external_param``, ``module._external_params``, ``module.ds_external_parameters()``
         a parameter that a module's forward returns (Note "returned parameters" in
         ``scheduler.py``) is registered, ``{id(param): param}``, with the innermost module
         whose forward is still running, its caller, unless a module on that forward stack
@@ -44,6 +44,19 @@ from torch import nn
 from .unit import Unit
 
 
+class ExternalParameters:
+    """``module.ds_external_parameters()``: the ``(id, parameter)`` items of the module's
+    ``_external_params``, the method DeepSpeed's stage 3 gives every module (TRL's
+    generation block reads it). A callable object rather than a bound function, so the
+    module still pickles and deep-copies."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self):
+        return getattr(self.module, "_external_params", {}).items()
+
+
 class UsageRecords:
     """DeepSpeed's usage records over ``root`` and its ``units`` (Note: usage records)."""
 
@@ -59,6 +72,8 @@ class UsageRecords:
             module.ds_recompute_parameters = set()
             if not isinstance(getattr(module, "_external_params", None), dict):
                 module._external_params = {}
+            if not hasattr(module, "ds_external_parameters"):
+                module.ds_external_parameters = ExternalParameters(module)
         for unit, active in zip(units, self._active):
             for p in unit.spec.params:
                 p.ds_active_sub_modules = active

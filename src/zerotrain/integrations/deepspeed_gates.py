@@ -1,0 +1,60 @@
+"""Names that Accelerate and transformers import only when DeepSpeed is available, filled
+in when the DeepSpeed switch is installed after they were imported.
+
+Why: ``accelerate.utils``, ``accelerate.accelerator`` and ``transformers.trainer`` ask
+``is_deepspeed_available()`` once, when they are imported, and import their DeepSpeed
+wrappers (``DeepSpeedSchedulerWrapper``, ``DummyOptim``...) only if it said yes;
+``transformers.integrations.deepspeed`` picks the base class of ``HfDeepSpeedConfig`` the
+same way. A script that imports them before ``zerotrain.as_deepspeed.install()`` would
+otherwise find those names missing later (``from accelerate.utils import
+DeepSpeedSchedulerWrapper`` in ``transformers.trainer`` raises ImportError). So
+:func:`refresh` gives each such module, if already imported, what its gated import would
+have given it, and re-imports ``transformers.integrations.deepspeed`` when it was built
+without Accelerate's base class (its classes are imported by name only inside functions).
+Modules not yet imported need nothing: they ask when they are imported.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# module -> the names its ``if is_deepspeed_available():`` block imports from
+# accelerate.utils.deepspeed (Accelerate 1.15, transformers 5)
+GATED: dict[str, tuple[str, ...]] = {
+    "accelerate.utils": ("DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper",
+                         "DeepSpeedSchedulerWrapper", "DummyOptim", "DummyScheduler",
+                         "HfDeepSpeedConfig", "get_active_deepspeed_plugin",
+                         "map_pytorch_optim_to_deepspeed"),
+    "accelerate.accelerator": ("DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper",
+                               "DeepSpeedSchedulerWrapper", "DummyOptim", "DummyScheduler",
+                               "map_pytorch_optim_to_deepspeed"),
+    "transformers.trainer": ("DeepSpeedSchedulerWrapper",),
+}
+_HF_DEEPSPEED = "transformers.integrations.deepspeed"
+
+
+def refresh() -> list[str]:
+    """Fill the gated names into the modules already imported; return those touched."""
+    touched = []
+    # a module still being imported (its check is what installs the switch, through the
+    # alias's finder) runs its own gated import next: leave it alone
+    loaded = [name for name in GATED if name in sys.modules
+              and not _initializing(sys.modules[name])]
+    if loaded:
+        source = importlib.import_module("accelerate.utils.deepspeed")
+        for name in loaded:
+            module = sys.modules[name]
+            missing = [n for n in GATED[name] if not hasattr(module, n)]
+            for attr in missing:
+                setattr(module, attr, getattr(source, attr))
+            if missing:
+                touched.append(name)
+    hf = sys.modules.get(_HF_DEEPSPEED)
+    if hf is not None and not _initializing(hf) and getattr(hf, "DeepSpeedConfig", None) is object:
+        importlib.reload(hf)
+        touched.append(_HF_DEEPSPEED)
+    return touched
+
+
+def _initializing(module) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))

@@ -190,6 +190,47 @@ def test_a_flat_group_of_the_wrong_type_is_named(tmp_path, monkeypatch):
         assert OPTIM in str(info.value)
 
 
+@pytest.mark.parametrize("case", ["z1_fp32_w2", "z2_fp32_w2", "z3_fp32_w3"])
+def test_a_flat_partition_of_the_wrong_length_is_named_with_its_file(tmp_path, monkeypatch,
+                                                                     case):
+    """Rank 1's flat partition two elements short: named with both files and the group, by
+    the reader and by consolidation, before a bare tensor-size error could come up."""
+    from test_deepspeed_files import _FakeDeepSpeed
+    fake = _FakeDeepSpeed(monkeypatch)
+    save_dir = _copy(tmp_path, case)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path = os.path.join(save_dir, TAG, name)
+    data = fake.unrecord(ds_load(path, mmap=False))
+    state = data["optimizer_state_dict"]
+    key = "fp32_flat_groups" if "fp32_flat_groups" in state else \
+        "single_partition_of_fp32_groups"
+    state[key] = [t[:-2].clone() for t in state[key][:1]] + list(state[key][1:])
+    torch.save(data, path)
+    for read in (lambda: DeepSpeedCheckpoint(os.path.join(save_dir, TAG)),
+                 lambda: get_fp32_state_dict_from_zero_checkpoint(save_dir)):
+        with pytest.raises(CheckpointError, match=key) as info:
+            read()
+        assert name in str(info.value) and OPTIM in str(info.value), info.value
+        assert "must match" not in str(info.value)
+
+
+@pytest.mark.parametrize("field,value", [("base_optimizer_state", 7),
+                                         ("base_optimizer_state", {"state": [1, 2]}),
+                                         ("base_optimizer_state", {"state": {0: 3.0}})])
+def test_a_base_optimizer_state_of_the_wrong_type_names_the_file_and_field(
+        tmp_path, monkeypatch, field, value):
+    from test_deepspeed_files import _FakeDeepSpeed
+    fake = _FakeDeepSpeed(monkeypatch)
+    save_dir = _copy(tmp_path, "z2_fp32_w2")
+    path = os.path.join(save_dir, TAG, OPTIM)
+    data = fake.unrecord(ds_load(path, mmap=False))
+    data["optimizer_state_dict"][field] = value
+    torch.save(data, path)
+    with pytest.raises(CheckpointError, match=field) as info:
+        DeepSpeedCheckpoint(os.path.join(save_dir, TAG))
+    assert OPTIM in str(info.value)
+
+
 def test_an_unknown_client_state_tag_names_the_checkpoint(tmp_path):
     from zerotrain.checkpoint import client_state
     with pytest.raises(CheckpointError, match="ckpt-dir"):

@@ -2,8 +2,11 @@
 written as a DeepSpeed stage 1/2 save directory (``export_deepspeed``) loads into T=2 at
 DP=1 and DP=2, stages 1 and 2, and a T=2 x DP=2 run written the same way loads at T=1 and
 other data-parallel sizes; each continues as the run that saved it does (one process on the
-global batch, ``test_tensor_parallel.py``) within 1e-5."""
+global batch, ``test_tensor_parallel.py``) within 1e-5. A DeepSpeed Universal folder of the
+plain run (the layout ``ds_to_universal`` writes, made here from the DeepSpeed tag) loads
+into T=2 the same way."""
 import os
+import shutil
 
 import pytest
 
@@ -77,5 +80,50 @@ def test_a_tensor_parallel_run_exported_to_deepspeed_loads_at_t1_and_other_dp(
     for where, ranks in runs.items():
         for loaded, after, steps, tag in ranks:
             assert (steps, tag) == (2, "global_step2"), where
+            assert _max_diff(loaded, saved) == 0, where
+            assert _max_diff(after, third) < 1e-5, where
+
+
+def _to_universal(ds, out):
+    """The DeepSpeed tag ``ds/global_step2`` as ``ds_to_universal`` lays it out (Note "the
+    Universal layout" in ``checkpoint/deepspeed/universal.py``): the model-states file copied,
+    ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` whole, ``zero/optimizer_state.pt``
+    with the parameter groups, and ``latest_universal`` naming the folder."""
+    import torch
+
+    from zerotrain.checkpoint.deepspeed.source import DeepSpeedCheckpoint
+
+    tag = os.path.join(out, "global_step2_universal")
+    shutil.copytree(os.path.join(ds, "global_step2"), tag,   # the model-states files only
+                    ignore=shutil.ignore_patterns("*optim_states.pt"))
+    ckpt = DeepSpeedCheckpoint(os.path.join(ds, "global_step2"))
+    for name in ckpt.trainable_names():
+        os.makedirs(os.path.join(tag, "zero", name))
+        numel = torch.Size(ckpt.full_shape(name)).numel()
+        keys, step = ckpt.state_keys(name)
+        for key in ["master", *keys]:
+            whole = torch.empty(numel)
+            ckpt.read_into(name, key, 0, numel, whole)
+            file = "fp32" if key == "master" else key
+            torch.save({"param": whole.view(ckpt.full_shape(name))},
+                       os.path.join(tag, "zero", name, f"{file}.pt"))
+        torch.save(torch.tensor(step), os.path.join(tag, "zero", name, "step.pt"))
+    torch.save({"param_groups": ckpt.param_groups()},
+               os.path.join(tag, "zero", "optimizer_state.pt"))
+    with open(os.path.join(out, "latest_universal"), "w", encoding="utf-8") as f:
+        f.write("global_step2_universal")
+
+
+def test_a_universal_folder_of_a_plain_run_loads_into_tensor_parallel_meshes(worlds,
+                                                                             tmp_path):
+    zt, ds, uni = (str(tmp_path / name) for name in ("zt", "ds", "uni"))
+    saved, third = worlds.run(2, _save_plain, zt)[0]
+    _export(zt, ds, 2, 2)
+    _to_universal(ds, uni)
+    runs = {"stage 2, T=2 x DP=1": worlds.run(2, _resume_deepspeed, uni, 2, 2),
+            "stage 1, T=2 x DP=2": worlds.run(4, _resume_deepspeed, uni, 1, 2)}
+    for where, ranks in runs.items():
+        for loaded, after, steps, tag in ranks:
+            assert (steps, tag) == (2, "global_step2_universal"), where
             assert _max_diff(loaded, saved) == 0, where
             assert _max_diff(after, third) < 1e-5, where

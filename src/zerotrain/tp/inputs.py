@@ -123,7 +123,7 @@ def check_same_inputs(tp: Communicator, args: tuple, kwargs: dict) -> None:
     ``kwargs`` differ (Note "one batch per group"). Collective over ``tp``; a traced world
     (the planner's fake tensors, Note "a traced world" in ``comm/communicator.py``) has no
     data to digest and nobody to disagree with, so it checks nothing."""
-    if not tp.carries_data:
+    if not getattr(tp, "carries_data", True):
         return
     everyone = tp.all_gather_object(input_digests(args, kwargs),
                                     label="tensor-parallel input check")

@@ -50,10 +50,12 @@ def _export(src, out, stage, world_size):
 
 
 def test_a_plain_deepspeed_checkpoint_loads_into_tensor_parallel_meshes(worlds, tmp_path):
-    zt, ds1, ds2 = (str(tmp_path / name) for name in ("zt", "ds1", "ds2"))
+    """Stage 1 and 2 save directories and a Universal folder of the same plain run."""
+    zt, ds1, ds2, uni = (str(tmp_path / name) for name in ("zt", "ds1", "ds2", "uni"))
     saved, third = worlds.run(2, _save_plain, zt)[0]
     _export(zt, ds1, 1, 2)
     _export(zt, ds2, 2, 2)
+    _to_universal(ds2, uni)
     runs = {"stage 1, T=2 x DP=1 from DeepSpeed stage 1": worlds.run(2, _resume_deepspeed,
                                                                      ds1, 1, 2),
             "stage 2, T=2 x DP=1 from DeepSpeed stage 2": worlds.run(2, _resume_deepspeed,
@@ -61,10 +63,15 @@ def test_a_plain_deepspeed_checkpoint_loads_into_tensor_parallel_meshes(worlds, 
             "stage 1, T=2 x DP=2 from DeepSpeed stage 2": worlds.run(4, _resume_deepspeed,
                                                                      ds2, 1, 2),
             "stage 2, T=2 x DP=2 from DeepSpeed stage 1": worlds.run(4, _resume_deepspeed,
-                                                                     ds1, 2, 2)}
+                                                                     ds1, 2, 2),
+            "stage 2, T=2 x DP=1 from a Universal folder": worlds.run(2, _resume_deepspeed,
+                                                                      uni, 2, 2),
+            "stage 1, T=2 x DP=2 from a Universal folder": worlds.run(4, _resume_deepspeed,
+                                                                      uni, 1, 2)}
     for where, ranks in runs.items():
         for loaded, after, steps, tag in ranks:
-            assert (steps, tag) == (2, "global_step2"), where
+            universal = "Universal" in where
+            assert (steps, tag) == (2, "global_step2" + "_universal" * universal), where
             assert _max_diff(loaded, saved) == 0, where
             assert _max_diff(after, third) < 1e-5, where
 
@@ -112,18 +119,3 @@ def _to_universal(ds, out):
                os.path.join(tag, "zero", "optimizer_state.pt"))
     with open(os.path.join(out, "latest_universal"), "w", encoding="utf-8") as f:
         f.write("global_step2_universal")
-
-
-def test_a_universal_folder_of_a_plain_run_loads_into_tensor_parallel_meshes(worlds,
-                                                                             tmp_path):
-    zt, ds, uni = (str(tmp_path / name) for name in ("zt", "ds", "uni"))
-    saved, third = worlds.run(2, _save_plain, zt)[0]
-    _export(zt, ds, 2, 2)
-    _to_universal(ds, uni)
-    runs = {"stage 2, T=2 x DP=1": worlds.run(2, _resume_deepspeed, uni, 2, 2),
-            "stage 1, T=2 x DP=2": worlds.run(4, _resume_deepspeed, uni, 1, 2)}
-    for where, ranks in runs.items():
-        for loaded, after, steps, tag in ranks:
-            assert (steps, tag) == (2, "global_step2_universal"), where
-            assert _max_diff(loaded, saved) == 0, where
-            assert _max_diff(after, third) < 1e-5, where

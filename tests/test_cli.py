@@ -210,3 +210,49 @@ def test_write_into_a_missing_folder_is_refused_before_the_trace(monkeypatch, ca
         main(["estimate", "--model", _TINY, "--micro-batch", "2", "--seq-len", "32",
               "--fit", "1GB", "--write", "no_such_folder/ds_config.json"])
     assert "argument --write: the folder" in capsys.readouterr().err
+
+
+def _llama_config(tmp_path, **fields):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
+                                "intermediate_size": 32, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2,
+                                **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--params", "7B", "--gpus", "6", "--tp", "4"], "--tp: 4 does not divide the 6 GPUs"),
+    (["--params", "7B", "--tp", "0"], "--tp"),
+    (["--params", "7B", "--tp", "2000000"], "--tp"),
+    (["MODEL", "--gpus", "4", "--tp", "4"],
+     "--tp: tensor-parallel size 4 does not divide the model's num_key_value_heads (2)"),
+    (["MODEL", "--gpus", "4", "--tp", "2", "--stage", "3", "--micro-batch", "1",
+      "--seq-len", "8"], "--tp: 2 with --stage 3"),
+])
+def test_estimate_tensor_parallel_errors_are_one_line_naming_the_option(tmp_path, argv, words,
+                                                                         capsys):
+    argv = [a if a != "MODEL" else "--model" for a in argv]
+    if "--model" in argv:
+        argv.insert(argv.index("--model") + 1, _llama_config(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("zerotrain estimate: error: argument --tp") and words in err[-1]
+
+
+def test_estimate_tensor_parallel_formula_uses_the_model_split(tmp_path, capsys):
+    assert main(["estimate", "--model", _llama_config(tmp_path), "--gpus", "4", "--tp", "2",
+                 "--micro-batch", "2", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "Ψ_s = 4,608 (split by the AutoTP rules)" in out and "D = N/T = 2" in out
+
+
+def test_estimate_traces_a_tensor_parallel_step(tmp_path, capsys):
+    assert main(["estimate", "--model", _llama_config(tmp_path), "--gpus", "4", "--tp", "2",
+                 "--micro-batch", "2", "--seq-len", "16", "--dtype", "fp32",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["tensor_parallel_size"], out["stage"], out["world_size"]) == (2, 2, 4)
+    assert out["peak_bytes_per_rank"] > 0

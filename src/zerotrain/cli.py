@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 from .launch import launch
@@ -91,6 +92,9 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="training precision; bf16/fp16 mean mixed precision (default bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="default adam")
+    p.add_argument("--tp", type=_typed(_whole(MAX_WORLD)), default=1, metavar="T",
+                   help="tensor_parallel.autotp_size: AutoTP over groups of T GPUs (must "
+                   "divide the GPUs and the model's heads; default 1)")
     p.add_argument("--gpu-memory", type=_typed(parse_bytes), metavar="SIZE",
                    help="memory per GPU (80GB, 24GiB): recommend a stage and print its config")
     p.add_argument("--cpu-memory", type=_typed(parse_bytes), metavar="SIZE",
@@ -203,6 +207,10 @@ def _check_common(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.gpus * args.nodes > MAX_WORLD:
         parser.error(f"argument --gpus/--nodes: {args.gpus} x {args.nodes} GPUs is more than "
                      f"{MAX_WORLD}")
+    if (args.gpus * args.nodes) % args.tp:
+        parser.error(f"argument --tp: {args.tp} does not divide the {args.gpus * args.nodes} "
+                     f"GPUs ({args.gpus} x {args.nodes}); the ranks form a {args.tp} x "
+                     f"(GPUs / {args.tp}) mesh")
     if args.write:
         target = os.path.abspath(args.write)
         folder = os.path.dirname(target)
@@ -247,13 +255,22 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if _is_config_file(args.model):   # its dimensions and positions, before the trace
         shape = _model_shape(parser, args.model)
         _check_seq_len(parser, args.seq_len, shape)
+    if args.tp > 1:
+        if args.stage == 3:
+            parser.error(f"argument --tp: {args.tp} with --stage 3: ZeRO stage 3 with tensor "
+                         "parallelism is refused at initialize today, so its step cannot be "
+                         "traced; trace stages 0-2, or drop the traced options for the "
+                         "formula's estimate of stage 3")
+        _tp_split(parser, args)
     from .planner import PlanError, StepSpec, ds_config_for, fit, plan_peak
 
     spec = StepSpec(args.model, micro_batch=args.micro_batch, seq_len=args.seq_len,
                     gpus=args.gpus, nodes=args.nodes, stage=3 if args.stage is None else
                     args.stage, offload=args.offload or "none", dtype=args.dtype,
                     activation_checkpointing=args.activation_checkpointing,
-                    backend=args.backend)
+                    backend=args.backend, tp=args.tp)
+    if args.tp > 1 and args.stage is None:
+        spec = replace(spec, stage=2)   # stage 3 with tensor parallelism is not traced
     try:
         if not args.fit:
             result = plan_peak(spec)
@@ -283,6 +300,30 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _tp_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[int]:
+    """Ψ_s of ``--model`` by the AutoTP rules (built on the meta device), after checking
+    that ``--tp`` divides its head counts; None without a model (all of Ψ counted split)."""
+    if not args.model:
+        return None
+    from .estimate.tensor_parallel import check_tp_size, split_of_model_spec
+
+    try:
+        _, split, heads = split_of_model_spec(args.model)
+    except Exception as exc:   # noqa: BLE001 - transformers' or the user's own refusal
+        parser.error(f"argument --model: {args.model} could not be built on the meta device "
+                     f"to find its split layers ({type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0] if str(exc) else ''})")
+    try:
+        check_tp_size(args.tp, args.gpus * args.nodes, heads)
+    except ValueError as exc:
+        parser.error(f"argument --tp: {exc}")
+    if not split:
+        parser.error(f"argument --tp: {args.tp}, but no layer of {args.model} matches the "
+                     "AutoTP rules (q/k/v/o, up/gate/down, c_attn/c_fc/c_proj), as "
+                     "initialize would refuse")
+    return split
+
+
 def _check_seq_len(parser: argparse.ArgumentParser, seq_len: int, shape: ModelShape) -> None:
     try:
         check_positions(seq_len, shape.max_positions, shape.positions_from)
@@ -301,7 +342,7 @@ def _render_peak(result, budget) -> str:
     s = result.spec
     lines = []
     if budget:
-        why = [f"stage {s.stage}"]
+        why = [f"stage {s.stage}"] + ([f"tensor parallel {s.tp}"] if s.tp > 1 else [])
         if s.activation_checkpointing:
             why.append("activation checkpointing")
         if s.offload != "none":
@@ -314,7 +355,9 @@ def _render_peak(result, budget) -> str:
               "fake tensors)",
               f"  {s.model}: stage {s.stage}, offload {s.offload}, {s.dtype}, micro-batch "
               f"{s.micro_batch} x {s.seq_len} tokens, activation checkpointing "
-              f"{'on' if s.activation_checkpointing else 'off'}",
+              f"{'on' if s.activation_checkpointing else 'off'}"
+              + (f", tensor parallel {s.tp} x data parallel {s.world // s.tp}" if s.tp > 1
+                 else ""),
               f"  peak per rank: {_size(result.device_bytes)}, during {result.where}",
               f"  host per node: {_size(result.host_bytes * s.gpus)}",
               "  alive at the peak:"]
@@ -335,8 +378,11 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                      "--model (a config.json or module:callable)")
     if args.seq_len:
         _check_seq_len(parser, args.seq_len, shape)
+    split = _tp_split(parser, args) if args.tp > 1 else None
+    total = shape.total_params if shape else args.params
     request = EstimateRequest(
-        total_params=shape.total_params if shape else args.params, gpus_per_node=args.gpus,
+        total_params=total, tp=args.tp, split_params=None if split is None else min(split, total),
+        gpus_per_node=args.gpus,
         nodes=args.nodes, dtype=args.dtype, optimizer=args.optimizer, shape=shape,
         micro_batch=args.micro_batch, seq_len=args.seq_len, gpu_memory=args.gpu_memory,
         cpu_memory=args.cpu_memory)

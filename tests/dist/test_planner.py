@@ -7,6 +7,7 @@ optimizer step, on rank 0. The prediction runs the engine on fake tensors in thi
 rank 0 of a fake world of 2; the measurement runs it on real tensors on 2 gloo ranks.
 """
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -57,6 +58,32 @@ def test_predicted_peak_matches_measured_peak_on_two_ranks(worlds):
     assert not bad, "\n".join(map(str, rows))
     # where the peak happens is part of the prediction
     assert all(row[4] == row[5] for row in rows), "\n".join(map(str, rows))
+
+
+TP_CASES = [("llama-tiny", 1), ("llama-tiny", 2), ("gpt2-tiny", 2)]
+
+
+def _tp_spec(family, stage):
+    return StepSpec(os.path.join(CONFIGS, f"{family}.json"), micro_batch=2, seq_len=32,
+                    gpus=4, stage=stage, dtype="fp32", backend="gloo", tp=2)
+
+
+@pytest.mark.slow
+def test_predicted_peak_with_tensor_parallelism_matches_measured_peak_on_four_ranks(worlds):
+    """T=2 x DP=2: rank 0 of the fake world holds its slices, as the real rank 0 does."""
+    measured = worlds.run(4, _measure, [_tp_spec(*case) for case in TP_CASES])[0]
+    rows = []
+    for case, (real, where) in zip(TP_CASES, measured):
+        predicted = plan_peak(_tp_spec(*case))
+        whole = plan_peak(replace(_tp_spec(*case), tp=1))
+        error = predicted.peak_bytes / real - 1
+        rows.append((case, predicted.peak_bytes, real, round(100 * error, 2),
+                     predicted.where, where, whole.peak_bytes))
+    bad = [row for row in rows if abs(row[3]) > 100 * TOLERANCE]
+    assert not bad, "\n".join(map(str, rows))
+    assert all(row[4] == row[5] for row in rows), "\n".join(map(str, rows))
+    # the split is what was planned: slices are smaller than the whole model's states
+    assert all(row[1] < row[6] for row in rows), "\n".join(map(str, rows))
 
 
 @pytest.mark.slow

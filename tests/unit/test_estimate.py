@@ -375,3 +375,93 @@ def test_notes_count_hpz_secondary_copy_per_gpu_count():
     assert "copy of 4Ψ/H bytes per GPU: +7 GB with H = 4" in fp32
     single = estimate(EstimateRequest(SEVEN_B, gpus_per_node=1)).render()
     assert "hpZ" not in single
+
+
+# ------------------------------------------------------------------ tensor parallelism
+@pytest.mark.parametrize("tp, gpus", [(2, 8), (4, 8), (8, 8), (2, 4)])
+def test_tensor_parallel_rows_are_the_docs_table_when_all_is_split(tp, gpus):
+    """docs/tensor-parallel.md, "Memory per rank" (bf16, Adam, Ψ_r = 0): 16Ψ/T at stage 0,
+    4Ψ/T + 12Ψ/N at stage 1, 2Ψ/T + 14Ψ/N at stage 2; stage 3 16Ψ/N."""
+    psi, n = SEVEN_B, gpus
+    rows = rows_by_label(model_states(psi, gpus_per_node=gpus, tp=tp))
+    expected = [16 * psi / tp, 4 * psi / tp + 12 * psi / n, 2 * psi / tp + 14 * psi / n,
+                16 * psi / n]
+    for stage, want in enumerate(expected):
+        assert rows[Placement(stage)].gpu_total == pytest.approx(want, rel=1e-12), stage
+    z2 = rows[Placement(2)]
+    assert (z2.gpu_params, z2.gpu_grads, z2.gpu_optimizer) == pytest.approx(
+        (2 * psi / tp, 2 * psi / n, 12 * psi / n), rel=1e-12)
+    assert rows[Placement(2)].formula == "2Ψ_T + 14Ψ_T/D"
+    # offload: the host keeps the rank's shard of Ψ_T, 12 bytes each, for each GPU of the node
+    assert rows[Placement(2, "cpu")].host_per_node == pytest.approx(12 * psi / n * gpus)
+
+
+def test_tensor_parallel_replicated_parameters_stay_whole_on_every_rank():
+    """Ψ_T = Ψ_s/T + Ψ_r and D = N/T: the replicated part is not divided by T; at stage 3
+    split parts / (T·D), replicated ones / D."""
+    psi, split, tp, gpus = 1000, 800, 2, 8
+    dp, per_rank = gpus // tp, 800 / 2 + 200
+    rows = rows_by_label(model_states(psi, gpus_per_node=gpus, tp=tp, split_params=split))
+    assert rows[Placement(0)].gpu_total == 16 * per_rank
+    assert rows[Placement(1)].gpu_total == 4 * per_rank + 12 * per_rank / dp
+    assert rows[Placement(2)].gpu_total == 2 * per_rank + 14 * per_rank / dp
+    assert rows[Placement(3)].gpu_total == pytest.approx(16 * (split / (tp * dp)
+                                                               + (psi - split) / dp))
+    assert fp32_accumulation_extra(psi, Placement(1), world=gpus, dtype="bf16", tp=tp,
+                                   split_params=split) == 2 * per_rank
+    assert fp32_accumulation_extra(psi, Placement(2), world=gpus, dtype="bf16", tp=tp,
+                                   split_params=split) == 2 * per_rank / dp
+    # T = 1 is the plain table
+    assert model_states(psi, gpus_per_node=gpus, tp=1, split_params=split) == model_states(
+        psi, gpus_per_node=gpus)
+
+
+@pytest.mark.parametrize("tp, gpus, words", [(3, 8, "does not divide the 8 GPUs"),
+                                             (0, 8, "at least 1")])
+def test_tensor_parallel_size_the_gpus_do_not_divide_is_refused(tp, gpus, words):
+    with pytest.raises(ValueError, match=words):
+        model_states(SEVEN_B, gpus_per_node=gpus, tp=tp)
+
+
+def test_tensor_parallel_split_follows_the_autotp_rules_on_a_meta_model(tmp_path):
+    """Ψ_s of a tiny Llama and GPT-2 = the weights (and column biases) of the layers the
+    rules split; embeddings, norms and lm_head are replicated."""
+    from zerotrain.estimate.tensor_parallel import split_of_model_spec
+
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    total, split, heads = split_of_model_spec(str(llama))
+    kv = 2 * 4   # k, v: 2 heads of 4
+    per_layer = 16 * 16 + 2 * 16 * kv + 16 * 16 + 3 * 16 * 32
+    assert split == 2 * per_layer
+    assert total - split == 2 * 64 * 16 + 2 * 2 * 16 + 16   # embed, lm_head, norms
+    assert heads == {"num_attention_heads": 4, "num_key_value_heads": 2}
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 64, "n_embd": 16,
+                                "n_layer": 1, "n_head": 4, "n_positions": 32}))
+    total, split, _ = split_of_model_spec(str(gpt2))
+    # c_attn (w + b), c_proj (w; its bias is added once), c_fc (w + b), mlp c_proj (w)
+    assert split == (16 * 48 + 48) + 16 * 16 + (16 * 64 + 64) + 64 * 16
+
+
+def test_tensor_parallel_divides_activations_inside_split_layers():
+    """Korthikanti et al. eq. 3: s·b·h·(10 + 24/T + 5as/(hT)) per layer; logits whole."""
+    shape = ModelShape(total_params=1, largest_layer_params=1, hidden_size=64, num_layers=2,
+                       num_heads=4, vocab_size=100)
+    s, b, h, a = 32, 2, 64, 4
+    for tp in (1, 2, 4):
+        got = activation_bytes(shape, micro_batch=b, seq_len=s, dtype="bf16",
+                               checkpointing=False, tp=tp)
+        assert got == pytest.approx(2 * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+                                    + 4 * s * b * 100)
+
+
+def test_tensor_parallel_report_never_recommends_stage_3_and_writes_the_size():
+    report = estimate(EstimateRequest(SEVEN_B, gpus_per_node=8, tp=2, gpu_memory=40 * GB))
+    assert report.recommendation.placement.stage == 2   # 21 GB of 40: 80% fits
+    assert report.config["tensor_parallel"] == {"autotp_size": 2}
+    text = " ".join(report.render().split())
+    assert "Tensor parallel T = 2" in text and "estimate for a configuration being" in text
+    load_config(report.config, world_size=8)

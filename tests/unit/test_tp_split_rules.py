@@ -239,3 +239,18 @@ def test_nested_digests_name_the_path_ignore_key_order_and_stay_bounded():
     loop = {"ids": ids}
     loop["self"] = loop
     assert "not followed" in input_digests((loop,), {})["args[0]['self']"]
+
+
+def test_a_traced_world_checks_no_inputs_of_fake_tensors():
+    """The planner's fake world (``carries_data`` False) runs the first forward on fake
+    tensors, which have no bytes to digest: the check is skipped, not an error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerotrain.tp.inputs import check_same_inputs
+    asked = []
+    traced = SimpleNamespace(world_size=2, ranks=(0, 1), carries_data=False,
+                             all_gather_object=lambda obj, **kw: asked.append(obj) or [obj])
+    with FakeTensorMode():
+        ids = torch.randint(0, 8, (2, 4))
+        check_same_inputs(traced, (), {"input_ids": ids, "labels": ids})
+    assert asked == []

@@ -284,15 +284,19 @@ def shape_from_module_spec(spec: str) -> ModelShape:
 
 
 def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, dtype: str,
-                     checkpointing: bool, fused_attention: bool = False) -> float:
+                     checkpointing: bool, fused_attention: bool = False,
+                     tp: int = 1) -> float:
     """Activation bytes per GPU for one micro-batch (Note "activation memory");
-    ``fused_attention`` drops the ``5as/h`` score term, as FlashAttention-style kernels do."""
+    ``fused_attention`` drops the ``5as/h`` score term, as FlashAttention-style kernels do.
+    With ``tp`` T > 1, what is saved inside the split layers is divided by T (Korthikanti
+    et al. 2022, eq. 3: ``s*b*h*(10 + 24/T + 5*a*s/(h*T))`` per layer); the layer's input,
+    the norms and the logits stay whole on every rank."""
     if not shape.has_transformer_shape:
         raise ValueError("activation estimate needs hidden size, layers, heads and vocab size")
     check_positions(seq_len, shape.max_positions, shape.positions_from)
     s, b, h = seq_len, micro_batch, shape.hidden_size
     a, layers, vocab = shape.num_heads, shape.num_layers, shape.vocab_size
-    full_layer = s * b * h * (34 + (0 if fused_attention else 5 * a * s / h))
+    full_layer = s * b * h * (10 + 24 / tp + (0 if fused_attention else 5 * a * s / (h * tp)))
     layers_bytes = (2 * s * b * h * layers + full_layer) if checkpointing else full_layer * layers
     scale = 2 if dtype == "fp32" else 1
     return scale * layers_bytes + 4 * s * b * vocab

@@ -61,10 +61,12 @@ class Recommendation:
 
 
 def _gpu_need(row: StateEstimate, *, total_params: int, world: int, dtype: str,
-              budget: Budget, checkpointing: bool) -> dict[str, float]:
+              budget: Budget, checkpointing: bool, tp: int = 1,
+              split_params: Optional[int] = None) -> dict[str, float]:
     parts = {"model states": row.gpu_total,
              "fp32 gradient accumulation": fp32_accumulation_extra(
-                 total_params, row.placement, world=world, dtype=dtype)}
+                 total_params, row.placement, world=world, dtype=dtype, tp=tp,
+                 split_params=split_params)}
     act = budget.activations_checkpointed if checkpointing else budget.activations
     if act is not None:
         parts["activations" + (" (checkpointed)" if checkpointing else "")] = act
@@ -74,7 +76,7 @@ def _gpu_need(row: StateEstimate, *, total_params: int, world: int, dtype: str,
 
 
 def recommend(rows: list[StateEstimate], budget: Budget, *, total_params: int, world: int,
-              dtype: str) -> Recommendation:
+              dtype: str, tp: int = 1, split_params: Optional[int] = None) -> Recommendation:
     """Apply Note "the recommendation rule" to the rows of ``model_states`` (a placement
     without a row, such as NVMe for SGD, is skipped)."""
     by_placement = {row.placement: row for row in rows}
@@ -87,7 +89,8 @@ def recommend(rows: list[StateEstimate], budget: Budget, *, total_params: int, w
         if row is None:
             continue
         parts = _gpu_need(row, total_params=total_params, world=world, dtype=dtype,
-                          budget=budget, checkpointing=ckpt)
+                          budget=budget, checkpointing=ckpt, tp=tp,
+                          split_params=split_params)
         need = sum(parts.values())
         host_ok = (budget.cpu_memory is None
                    or row.host_per_node <= SAFE_FRACTION * budget.cpu_memory)

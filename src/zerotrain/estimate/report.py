@@ -10,7 +10,8 @@ from typing import Optional
 from .models import ModelShape, activation_bytes
 from .plan import SAFE_FRACTION, Budget, Recommendation, ds_config, recommend
 from .sizes import format_count, format_gb
-from .states import BytesPerParam, StateEstimate, fp32_accumulation_extra, model_states
+from .states import (BytesPerParam, StateEstimate, fp32_accumulation_extra, model_states,
+                     per_rank_params)
 
 __all__ = ["EstimateReport", "EstimateRequest", "estimate"]
 
@@ -34,10 +35,16 @@ class EstimateRequest:
     seq_len: Optional[int] = None
     gpu_memory: Optional[int] = None
     cpu_memory: Optional[int] = None
+    tp: int = 1                          # tensor_parallel.autotp_size T
+    split_params: Optional[int] = None   # Ψ_s, from the AutoTP rules (None: all of Ψ)
 
     @property
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def per_rank_params(self) -> float:
+        return per_rank_params(self.total_params, tp=self.tp, split_params=self.split_params)
 
 
 @dataclass(frozen=True)
@@ -59,12 +66,14 @@ def estimate(request: EstimateRequest) -> EstimateReport:
     size, the recommendation of :mod:`zerotrain.estimate.plan`."""
     r = request
     rows = model_states(r.total_params, gpus_per_node=r.gpus_per_node, nodes=r.nodes,
-                        dtype=r.dtype, optimizer=r.optimizer)
+                        dtype=r.dtype, optimizer=r.optimizer, tp=r.tp,
+                        split_params=r.split_params)
     activations = None
     if r.shape is not None and r.shape.has_transformer_shape and r.micro_batch and r.seq_len:
         activations = tuple(activation_bytes(r.shape, micro_batch=r.micro_batch,
                                              seq_len=r.seq_len, dtype=r.dtype,
-                                             checkpointing=ckpt) for ckpt in (False, True))
+                                             checkpointing=ckpt, tp=r.tp)
+                            for ckpt in (False, True))
     bpp = BytesPerParam.of(r.dtype, r.optimizer)
     live = float((bpp.params + bpp.grads) * r.shape.largest_layer_params) if r.shape else 0.0
     rec, config = None, None
@@ -72,10 +81,15 @@ def estimate(request: EstimateRequest) -> EstimateReport:
         budget = Budget(r.gpu_memory, r.cpu_memory,
                         activations[0] if activations else None,
                         activations[1] if activations else None, live)
-        rec = recommend(rows, budget, total_params=r.total_params, world=r.world, dtype=r.dtype)
+        # stage 3 with tensor parallelism is refused at initialize: never recommended
+        runnable = [row for row in rows if r.tp == 1 or row.placement.stage < 3]
+        rec = recommend(runnable, budget, total_params=r.total_params, world=r.world,
+                        dtype=r.dtype, tp=r.tp, split_params=r.split_params)
         if rec.placement is not None:
             config = ds_config(rec.placement, dtype=r.dtype, optimizer=r.optimizer,
                                micro_batch=r.micro_batch or 1)
+            if r.tp > 1:
+                config["tensor_parallel"] = {"autotp_size": r.tp}
     return EstimateReport(r, rows, activations, live, rec, config)
 
 
@@ -86,6 +100,13 @@ def _header(rep: EstimateReport) -> list[str]:
              f"{r.world} GPUs ({nodes}), {_PRECISION_NAMES[r.dtype]}, "
              f"{_OPTIMIZER_NAMES[r.optimizer]}.",
              f"GB = 10^9 bytes; Ψ = {r.total_params:,} parameters, N = {r.world} GPUs."]
+    if r.tp > 1:
+        split = r.total_params if r.split_params is None else r.split_params
+        source = ("all of Ψ counted as split: pass --model for the AutoTP rules' split"
+                  if r.split_params is None else "split by the AutoTP rules")
+        lines.append(f"Tensor parallel T = {r.tp}: Ψ_s = {split:,} ({source}), Ψ_T = Ψ_s/T + "
+                     f"Ψ_r = {round(r.per_rank_params):,} per rank, D = N/T = "
+                     f"{r.world // r.tp} data-parallel ranks.")
     if r.shape is not None and r.shape.description:
         lines.append(f"Model: {r.shape.description}; largest layer "
                      f"{format_count(r.shape.largest_layer_params)} parameters.")
@@ -99,7 +120,8 @@ def _cell(nbytes: float) -> str:
 def _need(rep: EstimateReport, row: StateEstimate) -> float:
     r = rep.request
     need = row.gpu_total + fp32_accumulation_extra(r.total_params, row.placement,
-                                                   world=r.world, dtype=r.dtype)
+                                                   world=r.world, dtype=r.dtype, tp=r.tp,
+                                                   split_params=r.split_params)
     if rep.activations:
         need += rep.activations[0]
     return need + (rep.live_layer if row.placement.stage == 3 else 0.0)
@@ -139,7 +161,8 @@ def _notes(rep: EstimateReport) -> list[str]:
     if rep.activations:
         plain, ckpt = rep.activations
         fused = activation_bytes(r.shape, micro_batch=r.micro_batch, seq_len=r.seq_len,
-                                 dtype=r.dtype, checkpointing=False, fused_attention=True)
+                                 dtype=r.dtype, checkpointing=False, fused_attention=True,
+                                 tp=r.tp)
         notes.append(f"Activations per GPU (micro-batch {r.micro_batch} x {r.seq_len} tokens, "
                      f"Korthikanti et al. 2022): {format_gb(plain)} GB, or {format_gb(ckpt)} GB "
                      "with full activation checkpointing; need* uses the first. A fused "
@@ -148,19 +171,26 @@ def _notes(rep: EstimateReport) -> list[str]:
     else:
         notes.append("For an activation estimate pass --model with --micro-batch and "
                      "--seq-len.")
+    if r.tp > 1:
+        notes.append(f"Tensor parallel T = {r.tp} (docs/tensor-parallel.md): each row holds "
+                     "with Ψ -> Ψ_T and N -> D; activations inside the split layers are "
+                     "divided by T. The ZeRO-3 rows are an estimate for a configuration being "
+                     "built (parameters, gradients and optimizer state / (T·D) for split "
+                     "parts, / D for replicated ones): initialize refuses stage 3 with "
+                     "tensor parallelism today, and no ZeRO-3 row is recommended.")
     if r.dtype != "fp32":
-        extra_full = 2 * r.total_params
+        extra_full = 2 * r.per_rank_params
         notes.append(
             "Gradients are counted in 16 bits, as in the ZeRO paper. zerotrain accumulates "
             "them in fp32 by default (data_types.grad_accum_dtype): "
             f"+{format_gb(extra_full)} GB per GPU at stages 0-1, "
-            f"+{format_gb(extra_full / r.world)} GB at stages 2-3; "
+            f"+{format_gb(extra_full / (r.world // r.tp))} GB at stages 2-3; "
             f'"data_types": {{"grad_accum_dtype": "{r.dtype}"}} matches the table.')
     bpp = BytesPerParam.of(r.dtype, r.optimizer)
     notes.append("ZeRO-3 also holds the layers in use, gathered whole: at least the largest "
                  f"layer's weights and gradients ({bpp.params + bpp.grads} bytes per parameter"
                  + (f", {format_gb(rep.live_layer)} GB here" if rep.live_layer else "") + ").")
-    dpu_per_node = 4 * r.total_params / r.world * r.gpus_per_node
+    dpu_per_node = 4 * r.per_rank_params / (r.world // r.tp) * r.gpus_per_node
     notes.append(
         f"Offloaded rows: the fp32 master and optimizer moments ({bpp.host_optimizer} bytes per "
         "parameter) leave the GPU, for the host or, with NVMe, for files (the host then keeps "

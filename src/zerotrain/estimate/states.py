@@ -43,17 +43,25 @@ Note: offload
     offload out differently (16 or 18 bytes per parameter on the host, its estimator in
     :mod:`~zerotrain.estimate.deepspeed_api`).
 
+Note: tensor parallelism
+    With ``tensor_parallel.autotp_size`` T (docs/tensor-parallel.md, "Memory per rank") a
+    rank holds Ψ_T = Ψ_s/T + Ψ_r parameter elements, Ψ_s in split layers and Ψ_r replicated
+    (embeddings, norms, ``lm_head``), and ZeRO shards over the D = N/T data-parallel ranks.
+    Every row then holds with Ψ -> Ψ_T and N -> D. At stage 3 that is Ψ_s/(T·D) + Ψ_r/D
+    for the sharded states: an estimate, stage 3 with tensor parallelism being refused at
+    ``initialize`` today. Without a model, Ψ_r is taken as 0 (Ψ_T = Ψ/T).
+
 Activations, communication buckets, ZeRO-3's gathered live layers and the allocator's
 fragmentation all come on top of these numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 __all__ = ["BytesPerParam", "DTYPES", "OPTIMIZERS", "PLACEMENTS", "Placement",
            "StateEstimate", "fp32_accumulation_extra", "gpu_shares", "model_states",
-           "off_gpu_shares"]
+           "off_gpu_shares", "per_rank_params"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
 OptimizerName = Literal["adam", "sgd"]
@@ -162,40 +170,66 @@ def off_gpu_shares(placement: Placement, bpp: BytesPerParam) -> dict[str, int]:
             "nvme": optimizer if on_nvme else 0}
 
 
-def _formula(shares: dict[str, tuple[int, bool]]) -> str:
+def _formula(shares: dict[str, tuple[int, bool]], tp: int = 1) -> str:
     full = sum(b for b, sharded in shares.values() if not sharded)
     split = sum(b for b, sharded in shares.values() if sharded)
-    terms = ([f"{full}Ψ"] if full else []) + ([f"{split}Ψ/N"] if split else [])
+    psi, n = ("Ψ_T", "D") if tp > 1 else ("Ψ", "N")
+    terms = ([f"{full}{psi}"] if full else []) + ([f"{split}{psi}/{n}"] if split else [])
     return " + ".join(terms) or "0"
 
 
+def per_rank_params(total_params: int, *, tp: int = 1,
+                    split_params: Optional[int] = None) -> float:
+    """Ψ_T = Ψ_s/T + Ψ_r, the parameter elements one rank of a tensor-parallel group holds
+    (Note "tensor parallelism"); ``split_params`` None counts every parameter as split."""
+    if tp < 1:
+        raise ValueError(f"tensor-parallel size must be at least 1, got {tp}")
+    split = total_params if split_params is None else split_params
+    if not 0 <= split <= total_params:
+        raise ValueError(f"split parameters {split} must lie in 0..{total_params}")
+    return split / tp + (total_params - split)
+
+
+def _data_parallel(world: int, tp: int) -> int:
+    if tp < 1:
+        raise ValueError(f"tensor-parallel size must be at least 1, got {tp}")
+    if world % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide the {world} GPUs")
+    return world // tp
+
+
 def model_states(total_params: int, *, gpus_per_node: int, nodes: int = 1,
-                 dtype: str = "bf16", optimizer: str = "adam") -> list[StateEstimate]:
+                 dtype: str = "bf16", optimizer: str = "adam", tp: int = 1,
+                 split_params: Optional[int] = None) -> list[StateEstimate]:
     """Model-state bytes for every row of :data:`PLACEMENTS` (Notes "the ZeRO table",
     "offload"; the NVMe row only with Adam). Gradients are counted in the training dtype, as in the ZeRO paper; see
-    :func:`fp32_accumulation_extra` for zerotrain's fp32 accumulation default."""
+    :func:`fp32_accumulation_extra` for zerotrain's fp32 accumulation default. With ``tp``
+    T > 1, per rank of a T-way tensor-parallel group (Note "tensor parallelism");
+    ``split_params`` is Ψ_s (None: all of Ψ)."""
     if total_params < 1 or gpus_per_node < 1 or nodes < 1:
         raise ValueError("total_params, gpus_per_node and nodes must all be >= 1")
     bpp = BytesPerParam.of(dtype, optimizer)
-    world = gpus_per_node * nodes
+    dp = _data_parallel(gpus_per_node * nodes, tp)
+    elements = per_rank_params(total_params, tp=tp, split_params=split_params)
     rows = []
     for placement in PLACEMENTS:
         if placement.offload_optimizer == "nvme" and optimizer != "adam":
             continue  # NVMe swaps Adam/AdamW state only (Note "offload")
         shares = gpu_shares(placement, bpp)
-        gpu = {name: total_params * b / (world if sharded else 1)
+        gpu = {name: elements * b / (dp if sharded else 1)
                for name, (b, sharded) in shares.items()}
-        per_node = {name: total_params * b / world * gpus_per_node
+        per_node = {name: elements * b / dp * gpus_per_node
                     for name, b in off_gpu_shares(placement, bpp).items()}
         rows.append(StateEstimate(
             placement=placement, gpu_params=gpu["params"], gpu_grads=gpu["grads"],
             gpu_optimizer=gpu["optimizer"], host_per_node=per_node["host"],
-            nvme_per_node=per_node["nvme"], formula=_formula(shares)))
+            nvme_per_node=per_node["nvme"], formula=_formula(shares, tp)))
     return rows
 
 
 def fp32_accumulation_extra(total_params: int, placement: Placement, *, world: int,
-                            dtype: str) -> float:
+                            dtype: str, tp: int = 1,
+                            split_params: Optional[int] = None) -> float:
     """Bytes per GPU that zerotrain's default fp32 gradient accumulation adds to the table.
 
     ``data_types.grad_accum_dtype`` defaults to fp32, so a 16-bit run keeps 4-byte instead
@@ -205,4 +239,5 @@ def fp32_accumulation_extra(total_params: int, placement: Placement, *, world: i
     """
     if dtype == "fp32":
         return 0.0
-    return 2.0 * total_params / (world if placement.stage >= 2 else 1)
+    elements = per_rank_params(total_params, tp=tp, split_params=split_params)
+    return 2.0 * elements / (_data_parallel(world, tp) if placement.stage >= 2 else 1)

@@ -37,6 +37,7 @@ class StepSpec:
     activation_checkpointing: bool = False
     gradient_accumulation: int = 1
     backend: str = "nccl"          # nccl | gloo (Note: the backend's own buffers)
+    tp: int = 1                    # tensor_parallel.autotp_size (stages 0-2)
 
     @property
     def world(self) -> int:
@@ -70,6 +71,7 @@ class StepPeak:
                 "offload": s.offload, "dtype": s.dtype, "micro_batch": s.micro_batch,
                 "seq_len": s.seq_len, "activation_checkpointing": s.activation_checkpointing,
                 "gradient_accumulation": s.gradient_accumulation, "backend": s.backend,
+                "tensor_parallel_size": s.tp,
                 "peak_bytes_per_rank": self.device_bytes,
                 "peak_host_bytes_per_node": self.host_bytes * s.gpus,
                 "peak_at": self.where, "breakdown": dict(self.breakdown),
@@ -142,4 +144,20 @@ def ds_config_for(spec: StepSpec) -> dict:
     }
     if spec.dtype in ("bf16", "fp16"):
         config[spec.dtype] = {"enabled": True}
+    if spec.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": spec.tp}
     return config
+
+
+def check_tensor_parallel(spec: StepSpec) -> None:
+    """ValueError naming the option when ``spec.tp`` cannot be traced: a size that does not
+    divide the world, or stage 3, which ``initialize`` refuses with tensor parallelism
+    today (the formula of ``zerotrain estimate`` without a traced option estimates it)."""
+    from ..estimate.tensor_parallel import check_tp_size
+
+    check_tp_size(spec.tp, spec.world)
+    if spec.tp > 1 and spec.stage == 3:
+        raise ValueError(f"--tp {spec.tp} with --stage 3: ZeRO stage 3 with tensor "
+                         "parallelism is refused at initialize today, so its step cannot be "
+                         "traced; trace stages 0-2, or drop the traced options for the "
+                         "formula's estimate of stage 3")

@@ -15,7 +15,8 @@ import torch
 
 from ..estimate.peak import PeakTracker
 from .fake_world import _FakeTracker, fake_world
-from .spec import PlanError, StepPeak, StepSpec, _vocab, build_model, ds_config_for
+from .spec import (PlanError, StepPeak, StepSpec, _vocab, build_model,
+                   check_tensor_parallel, ds_config_for)
 
 
 # --------------------------------------------------------------------------- one step
@@ -88,7 +89,9 @@ def breakdown_at_peak(tracker: PeakTracker, engine: Any) -> dict[str, int]:
 
 
 def plan_peak(spec: StepSpec) -> StepPeak:
-    """The predicted peak of one step of ``spec`` on rank 0 (no memory allocated)."""
+    """The predicted peak of one step of ``spec`` on rank 0 (no memory allocated). With
+    ``spec.tp`` T > 1, rank 0 holds its slice of each split layer, as in the real run."""
+    check_tensor_parallel(spec)
     tracker = _FakeTracker()
     with fake_world(0, spec.world, spec.backend):
         try:
@@ -130,7 +133,7 @@ def candidates(base: StepSpec, global_micro: int) -> Iterator[StepSpec]:
     for offload in ("none", "cpu"):
         for ac in (False, True):
             for b in batches:
-                for stage in (0, 1, 2, 3):
+                for stage in (0, 1, 2, 3) if base.tp == 1 else (0, 1, 2):
                     yield replace(base, stage=stage, offload=offload,
                                   activation_checkpointing=ac, micro_batch=b,
                                   gradient_accumulation=global_micro // b)
@@ -141,8 +144,9 @@ def fit(base: StepSpec, device_budget: int, host_budget: Optional[int] = None,
     """The first configuration of :func:`candidates` whose predicted peak fits ``device_budget``
     bytes per rank (and ``host_budget`` per node when given); None when none does."""
     global_micro = base.micro_batch * base.gradient_accumulation
-    smallest = replace(base, stage=3, offload="cpu", activation_checkpointing=True,
-                       micro_batch=1, gradient_accumulation=global_micro)
+    smallest = replace(base, stage=3 if base.tp == 1 else 2, offload="cpu",
+                       activation_checkpointing=True, micro_batch=1,
+                       gradient_accumulation=global_micro)
     if not _fits(plan_peak(smallest), device_budget, host_budget):
         return None   # the least memory there is does not fit: no need to try the rest
     for spec in candidates(base, global_micro):

@@ -120,7 +120,11 @@ def input_digests(args: tuple, kwargs: dict) -> dict[str, str]:
 
 def check_same_inputs(tp: Communicator, args: tuple, kwargs: dict) -> None:
     """Raise TensorParallelInputError on every rank of ``tp`` when its ranks' ``args`` and
-    ``kwargs`` differ (Note "one batch per group"). Collective over ``tp``."""
+    ``kwargs`` differ (Note "one batch per group"). Collective over ``tp``; a traced world
+    (the planner's fake tensors, Note "a traced world" in ``comm/communicator.py``) has no
+    data to digest and nobody to disagree with, so it checks nothing."""
+    if not getattr(tp, "carries_data", True):
+        return
     everyone = tp.all_gather_object(input_digests(args, kwargs),
                                     label="tensor-parallel input check")
     first = everyone[0]

@@ -79,13 +79,19 @@ class EnginePersistence:
         if async_save is None:
             writer_config = self.config.checkpoint.writer
             async_save = writer_config is not None and writer_config.decoupled
-        if async_save and self._checkpoint_writer is None:
+        created = async_save and self._checkpoint_writer is None
+        if created:
             self._checkpoint_writer = checkpoint.BackgroundWriter()
-        self.last_checkpoint_report = checkpoint.save_checkpoint(
-            self._training_state(), save_dir, tag=None if tag is None else str(tag),
-            client_state=client_state, save_latest=save_latest,
-            writer=self._checkpoint_writer if async_save else None,
-            exclude_frozen_parameters=exclude_frozen_parameters)
+        try:
+            self.last_checkpoint_report = checkpoint.save_checkpoint(
+                self._training_state(), save_dir, tag=None if tag is None else str(tag),
+                client_state=client_state, save_latest=save_latest,
+                writer=self._checkpoint_writer if async_save else None,
+                exclude_frozen_parameters=exclude_frozen_parameters)
+        except BaseException:
+            if created:   # every rank raised before its writer started: none holds one
+                self._checkpoint_writer = None
+            raise
         return True
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
@@ -96,7 +102,8 @@ class EnginePersistence:
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the asynchronous save in flight, if any; raise CheckpointError on every
-        rank if it failed (it was then not published). Collective: every rank calls it."""
+        rank if it failed (it was then not published). Collective once the engine has made
+        an asynchronous save, whether or not one is in flight: every rank calls it."""
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.wait(self.comm, debug=self.config.debug)
 

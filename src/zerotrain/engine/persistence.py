@@ -41,6 +41,7 @@ class EnginePersistence:
     last_checkpoint_report: Any
     _moved: Any
     _checkpoint_writer: Optional[checkpoint.BackgroundWriter]
+    _agree_on_call: Any   # EngineAccumulation's: every rank is at this call
 
     def _training_state(self) -> checkpoint.TrainingState:
         return checkpoint.TrainingState(
@@ -74,6 +75,7 @@ class EnginePersistence:
                 if self.managed_gradient_accumulation() else self._backward_in_window):
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
+        self._agree_on_call("save_checkpoint")   # every rank saves, or all raise together
         self.settle()
         self.wait_for_checkpoint()
         if async_save is None:
@@ -121,6 +123,7 @@ class EnginePersistence:
         if self.inference_only:   # as in DeepSpeed: no optimizer, so only the weights
             load_optimizer_states = load_lr_scheduler_states = False
         moved_states.refuse_while_away(self._moved, "load_checkpoint()")
+        self._agree_on_call("load_checkpoint")   # every rank loads, or all raise together
         self.settle()
         self.wait_for_checkpoint()
         result = checkpoint.load_checkpoint(

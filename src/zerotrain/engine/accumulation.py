@@ -159,8 +159,8 @@ class EngineAccumulation:
 
     def _agree_on_call(self, call: str) -> None:
         """Before ``save_checkpoint`` or ``load_checkpoint`` (``call``), collective: every
-        rank is making this call, or every rank raises RankDivergenceError together (Note
-        "collective calls" in docs/divergence.md). At stages 0-2 a vote shaped as the
+        rank is making this call, or every rank raises RankDivergenceError together
+        (docs/divergence.md, "Collective calls"). At stages 0-2 a vote shaped as the
         training votes (a peer still training meets it at its next backward or update vote
         and raises there); at stage 3 a header (``agree_on_call``) that meets the peer's
         next unit gather or step. Read at once: nothing of the call starts before."""

@@ -22,8 +22,14 @@ Note: frozen parameters left out
     the checkpoint (an error names it); export and consolidation write the rest and warn.
 
 An asynchronous save (``writer``) does steps 1-2, copies what steps 3-4 write into the
-writer's staging buffer and returns; the writer's thread does 3-4, with marker files in
-place of the second gather and no third one (Note: asynchronous save in ``writer.py``).
+writer's staging buffer, agrees on that copy (a gather: where one rank failed, every rank
+raises and no writer starts) and returns; the writer's thread does 3-4, with marker files
+in place of the second gather, and the collective ``wait`` exchanges the writers' outcomes
+in place of the third (Note: asynchronous save in ``writer.py``).
+
+Before any of it the engine checks that every rank is saving (``engine/accumulation.py``,
+``_agree_on_call``), and rank 0 waits for a save of this process still being written into
+the same directory (Note "saves in flight per directory" in ``writer.py``).
 """
 from __future__ import annotations
 

@@ -507,8 +507,9 @@ def test_bad_checkpoints_raise_named_errors_on_every_rank(worlds, tmp_path):
 # --------------------------------------------------------------------------- one rank only
 SHORT_TIMEOUT_S = 30   # a regression that waits out comms_timeout fails fast
 ONE_RANK_CASES = [(0, 1, "save"), (2, 1, "save"), (3, 1, "save"), (3, 5, "save"),
-                  (2, 2, "load"), (3, 5, "load")]   # (stage, step, call); stage 3 at step 5:
-#                                                     a launch plan stands
+                  (2, 2, "load"), (3, 5, "load"), (2, 2, "unmanaged")]
+# (stage, step, call); stage 3 at step 5: a launch plan stands; "unmanaged": a save with
+# managed_gradient_accumulation false (votes of another shape)
 
 
 def _one_rank_job(rank, world, root, cases):
@@ -520,8 +521,10 @@ def _one_rank_job(rank, world, root, cases):
     out = {}
     for stage, at, call in cases:
         model = R.make_model(0)
-        engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(
-            stage=stage, comms_timeout=SHORT_TIMEOUT_S))
+        config = R.engine_config(stage=stage, comms_timeout=SHORT_TIMEOUT_S)
+        if call == "unmanaged":
+            config["managed_gradient_accumulation"] = False
+        engine, *_ = zerotrain.initialize(model=model, config=config)
         where = os.path.join(root, f"{stage}-{at}-{call}")
         begin = time.monotonic()
         try:
@@ -529,10 +532,10 @@ def _one_rank_job(rank, world, root, cases):
                 if step == 1:
                     engine.save_checkpoint(where, tag="all")   # every rank: goes through
                 if step == at and rank == 0:
-                    if call == "save":
-                        engine.save_checkpoint(where, tag="lonely")
-                    else:
+                    if call == "load":
                         engine.load_checkpoint(where, tag="all")
+                    else:
+                        engine.save_checkpoint(where, tag="lonely")
                 engine.backward(engine(*R.micro_batch(step, rank, 0)))
                 engine.step()
             result = "no error"
@@ -551,5 +554,6 @@ def test_a_save_or_load_on_one_rank_only_raises_divergence_on_every_rank_at_once
     for res in worlds.run(2, _one_rank_job, str(tmp_path), ONE_RANK_CASES):
         for (stage, at, call), (result, seconds) in res.items():
             assert result.startswith("RankDivergenceError"), (stage, at, call, result)
-            assert f"{call}_checkpoint()" in result, (stage, at, call, result)
+            named = "load" if call == "load" else "save"
+            assert f"{named}_checkpoint()" in result, (stage, at, call, result)
             assert seconds < SHORT_TIMEOUT_S / 2, (stage, at, call, seconds)

@@ -218,3 +218,144 @@ def test_a_kill_during_the_background_write_leaves_latest_on_the_previous_tag(wo
         assert res["diff"] == 0.0 and res["steps"] == 2, res
         assert all(not c.startswith(".") for c in res["candidates"]), res
         assert res["candidates"][0] == "good", res
+
+
+SHORT_TIMEOUT_S = 30   # a regression that waits out comms_timeout fails in seconds, not 30 min
+
+
+@contextlib.contextmanager
+def _full_disk_everywhere(on):
+    """Where ``on``: the rank file and the marker both fail as a full disk does (ENOSPC)."""
+    import errno
+    from zerotrain.checkpoint import writer
+
+    def marker(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real = writer.write_marker
+    if on:
+        writer.write_marker = marker
+    try:
+        with _disk_full(on):
+            yield
+    finally:
+        writer.write_marker = real
+
+
+def _full_disk_job(rank, world, root):
+    import time
+    from zerotrain.checkpoint import CheckpointError
+    engine = _engine(1, comms_timeout=SHORT_TIMEOUT_S)
+    _train(engine, rank, 0, 1)
+    engine.save_checkpoint(root, tag="good", async_save=True)
+    engine.wait_for_checkpoint()
+    out = {}
+    for failing in (1, 0):
+        with _full_disk_everywhere(on=rank == failing):
+            begin = time.monotonic()
+            engine.save_checkpoint(root, tag=f"full{failing}", async_save=True)
+            try:
+                engine.wait_for_checkpoint()
+                message = None
+            except CheckpointError as exc:
+                message = str(exc)
+        out[failing] = (message, time.monotonic() - begin)
+    engine.save_checkpoint(root, tag="after", async_save=True)   # the ranks still pair up
+    engine.wait_for_checkpoint()
+    engine.comm.barrier()
+    out["left"] = sorted(os.listdir(root))
+    return out
+
+
+def test_a_full_disk_fails_the_background_save_at_once_naming_it_even_without_markers(
+        worlds, tmp_path):
+    """The failing rank can write neither its file nor its marker: every rank still raises
+    at its wait, at once, with that rank's "No space left on device"."""
+    for res in worlds.run(2, _full_disk_job, str(tmp_path)):
+        for failing in (1, 0):
+            message, seconds = res[failing]
+            assert message and f"rank {failing}" in message, (failing, message)
+            assert "No space left" in message and "not published" in message, message
+            assert seconds < SHORT_TIMEOUT_S / 2, (failing, seconds)
+        assert res["left"] == ["after", "good", "latest", "zero_to_fp32.py"], res["left"]
+
+
+def _staging_job(rank, world, root):
+    from zerotrain.checkpoint import CheckpointError
+    engine = _engine(2, comms_timeout=SHORT_TIMEOUT_S)
+    _train(engine, rank, 0, 1)
+    engine.save_checkpoint(root, tag="good", async_save=True)
+    writer = engine._checkpoint_writer
+    real = writer.buffer.stage
+
+    def no_memory(items):
+        raise RuntimeError("cannot allocate the staging buffer")
+    if rank == 1:
+        writer.buffer.stage = no_memory
+    try:
+        engine.save_checkpoint(root, tag="unstaged", async_save=True)
+        message = None
+    except CheckpointError as exc:
+        message = str(exc)
+    finally:
+        writer.buffer.stage = real
+    pending = writer.pending
+    _train(engine, rank, 1, 1)
+    engine.save_checkpoint(root, tag="next", async_save=True)   # the same collectives
+    engine.wait_for_checkpoint()
+    engine.comm.barrier()
+    return {"message": message, "pending": pending, "left": sorted(os.listdir(root)),
+            "latest": open(os.path.join(root, "latest")).read()}
+
+
+def test_a_staging_failure_on_one_rank_fails_the_save_on_every_rank_and_starts_no_writer(
+        worlds, tmp_path):
+    for res in worlds.run(2, _staging_job, str(tmp_path)):
+        assert res["message"] and "rank 1" in res["message"], res
+        assert "staging buffer" in res["message"] and "unstaged" in res["message"], res
+        assert not res["pending"], res
+        assert res["latest"] == "next" and res["left"] == ["good", "latest", "next",
+                                                           "zero_to_fp32.py"], res
+
+
+def _two_engines_job(rank, world, root):
+    """An actor and a critic of one job save into one directory: the critic's save waits for
+    the actor's still in flight, and a refused save there releases nobody's lock."""
+    import zerotrain
+    from zerotrain.checkpoint import CheckpointError, fs
+    actor = _engine(2, comms_timeout=SHORT_TIMEOUT_S)
+    critic, *_ = zerotrain.initialize(model=R.make_model(1), config=R.engine_config(
+        stage=1, comms_timeout=SHORT_TIMEOUT_S))
+    _train(actor, rank, 0, 1)
+    _train(critic, rank, 0, 1)
+    _slow_markers()
+    try:
+        actor.save_checkpoint(root, tag="actor", async_save=True)
+        in_flight = actor._checkpoint_writer.in_flight
+        try:
+            critic.save_checkpoint(root, tag="bad/tag")
+            refused = None
+        except CheckpointError as exc:
+            refused = str(exc)
+        still_locked = rank != 0 or os.path.realpath(root) in fs._held_locks
+        critic.save_checkpoint(root, tag="critic", async_save=True)
+        critic.wait_for_checkpoint()
+        actor.wait_for_checkpoint()
+    finally:
+        _fast_markers()
+    engine = _engine(2, seed=4)
+    engine.load_checkpoint(root, tag="actor")
+    loaded = R.max_diff(_params(engine), _params(actor))
+    for e in (engine, actor, critic):
+        e.close()
+    return {"in_flight": in_flight, "refused": refused, "locked": still_locked,
+            "loaded": loaded, "left": sorted(os.listdir(root)),
+            "latest": open(os.path.join(root, "latest")).read()}
+
+
+def test_two_engines_saving_into_one_directory_never_disturb_a_save_in_flight(worlds,
+                                                                              tmp_path):
+    for res in worlds.run(2, _two_engines_job, str(tmp_path)):
+        assert res["in_flight"] and res["refused"] and res["locked"], res
+        assert res["loaded"] == 0.0, res
+        assert res["latest"] == "critic" and res["left"] == ["actor", "critic", "latest",
+                                                             "zero_to_fp32.py"], res

@@ -502,3 +502,58 @@ def test_bad_checkpoints_raise_named_errors_on_every_rank(worlds, tmp_path):
         assert "global_step9" in out["no_tag"], out["no_tag"]
         assert out["no_dir"] == (None, None)
         assert out["no_pickle"] and out["alive"]
+
+
+# --------------------------------------------------------------------------- one rank only
+SHORT_TIMEOUT_S = 30   # a regression that waits out comms_timeout fails fast
+ONE_RANK_CASES = [(0, 1, "save"), (2, 1, "save"), (3, 1, "save"), (3, 5, "save"),
+                  (2, 2, "load"), (3, 5, "load"), (2, 2, "unmanaged")]
+# (stage, step, call); stage 3 at step 5: a launch plan stands; "unmanaged": a save with
+# managed_gradient_accumulation false (votes of another shape)
+
+
+def _one_rank_job(rank, world, root, cases):
+    """Rank 0 alone calls ``save_checkpoint``/``load_checkpoint`` (as under ``if rank ==
+    0:``) while rank 1 trains on: both raise RankDivergenceError naming the call, at once."""
+    import time
+    import zerotrain
+    from zerotrain.errors import RankDivergenceError
+    out = {}
+    for stage, at, call in cases:
+        model = R.make_model(0)
+        config = R.engine_config(stage=stage, comms_timeout=SHORT_TIMEOUT_S)
+        if call == "unmanaged":
+            config["managed_gradient_accumulation"] = False
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        where = os.path.join(root, f"{stage}-{at}-{call}")
+        begin = time.monotonic()
+        try:
+            for step in range(at + 2):
+                if step == 1:
+                    engine.save_checkpoint(where, tag="all")   # every rank: goes through
+                if step == at and rank == 0:
+                    if call == "load":
+                        engine.load_checkpoint(where, tag="all")
+                    else:
+                        engine.save_checkpoint(where, tag="lonely")
+                engine.backward(engine(*R.micro_batch(step, rank, 0)))
+                engine.step()
+            result = "no error"
+        except RankDivergenceError as exc:
+            result = f"RankDivergenceError: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            result = f"{type(exc).__name__}: {exc}"
+        out[(stage, at, call)] = (result, time.monotonic() - begin)
+        engine.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_a_save_or_load_on_one_rank_only_raises_divergence_on_every_rank_at_once(worlds,
+                                                                                 tmp_path):
+    for res in worlds.run(2, _one_rank_job, str(tmp_path), ONE_RANK_CASES):
+        for (stage, at, call), (result, seconds) in res.items():
+            assert result.startswith("RankDivergenceError"), (stage, at, call, result)
+            named = "load" if call == "load" else "save"
+            assert f"{named}_checkpoint()" in result, (stage, at, call, result)
+            assert seconds < SHORT_TIMEOUT_S / 2, (stage, at, call, seconds)

@@ -254,16 +254,16 @@ def test_comms_timeout_applies_to_a_process_group_that_already_existed(tmp_path,
     """The test harness creates the group (default timeout) before initialize adopts it:
     rank 0's collective times out after comms_timeout, while rank 1 is still waiting, and
     the error names it (the vote before a stage-2 backward, Note "backwards that reduce" in
-    engine/accumulation.py; a save's handshake; a stage-3 unit's gathers),
+    engine/accumulation.py; the vote a save starts with; a stage-3 unit's gathers),
     the group's size and the timeout, with or without ``debug``."""
     rank0, rank1 = run_world(_stuck_peer_job, 2, str(tmp_path / "gave-up"), what, debug,
                              timeout=200)
     assert rank1["released"], (rank0, rank1)
     assert rank0["error"].startswith("CollectiveError: rank 0: "), rank0
-    named = {"step": "all_reduce of (6,) torch.int64", "save": "all_gather_object for checkpoint save: "
-             "metadata", "gather": "all_gather of"}[what]
+    named = {"step": "all_reduce of (6,) torch.int64", "save": "all_reduce of (6,) torch.int64",
+             "gather": "all_gather of"}[what]
     assert named in rank0["error"], rank0
-    label = {"step": "for backward vote: backward", "save": "checkpoint save",
+    label = {"step": "for backward vote: backward", "save": "for save_checkpoint vote",
              "gather": "for unit "}[what]
     assert label in rank0["error"], rank0
     assert "(group of 2 ranks, timeout 3s)" in rank0["error"], rank0

@@ -125,7 +125,10 @@ STATE_CASES = {"min_scale": ("loss_scaler", "min_scale", 1e30),
                "loss_scale_zero": ("loss_scaler", "loss_scale", 0.0),
                "loss_scale_negative": ("loss_scaler", "loss_scale", -8.0),
                "loss_scale_inf": ("loss_scaler", "loss_scale", math.inf),
-               "consumed_negative": ("data_loader", "batches_consumed", -3)}
+               "consumed_negative": ("data_loader", "batches_consumed", -3),
+               "schedule_negative": ("lr_scheduler", "last_batch_iteration", -7)}
+# Adam's per-parameter ``step`` in every record: each is refused naming the manifest
+STEP_CASES = {"step_minus_one": -1.0, "step_fraction": -0.9, "step_half": 2.5}
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                            "warmup_num_steps": 4, "warmup_type": "linear"}}
 
@@ -139,6 +142,18 @@ def _edited(root: str, good: str, name: str, edit) -> str:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(manifest, f)
     return name
+
+
+def _everything(engine) -> dict:
+    """``F.snapshot`` (weights, masters, moments, steps, hyperparameters, lr, counters) and
+    the scheduler's state and the random generators, bitwise."""
+    import random
+    state = F.snapshot(engine)
+    state["scheduler"] = torch.tensor([float(v) for _, v in sorted(
+        engine.lr_scheduler.state_dict().items())])
+    state["rng.torch"] = torch.get_rng_state()
+    state["rng.python"] = torch.tensor(random.getstate()[1])
+    return state
 
 
 def _zerotrain_job(rank, world, root):
@@ -170,17 +185,22 @@ def _zerotrain_job(rank, world, root):
                                            lambda m: m.update(lr_scheduler={}))
         cases["steps_huge"] = _edited(root, "step2", "huge",
                                       lambda m: m["counters"].update(global_steps=10 ** 30))
+        for name, value in STEP_CASES.items():
+            cases[name] = _edited(root, "step2", name, lambda m, v=value: [
+                r["state_scalars"]["step"].update(value=v) for r in m["records"]])
     box = [cases if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     cases = box[0]
-    before = F.snapshot(engine)
+    before = _everything(engine)
     out = {}
     for what, tag in cases.items():
         try:
             engine.load_checkpoint(root, tag=tag)
-            out[what] = (None, F.same(before, F.snapshot(engine)))
+            out[what] = (None, F.same(before, _everything(engine)))
         except CheckpointError as exc:
-            out[what] = (str(exc), F.same(before, F.snapshot(engine)))
+            out[what] = (str(exc), F.same(before, _everything(engine)))
+        except Exception as exc:  # noqa: BLE001 - a raw error is what the test refuses
+            out[what] = (f"raw {type(exc).__name__}: {exc}", F.same(before, _everything(engine)))
     # ``latest`` read at different times: rank 1 would see the older tag
     fresh = build()
     original = fs.read_latest_text
@@ -219,6 +239,12 @@ def test_hostile_zerotrain_state_is_refused_and_every_rank_loads_one_save(worlds
         assert res["scheduler_empty"][0] is not None and "lr_scheduler lacks" in \
             res["scheduler_empty"][0] and res["scheduler_empty"][1]
         assert res["steps_huge"][0] is not None and "global_steps" in res["steps_huge"][0]
+        for name in STEP_CASES:   # refused naming the file and the field, nothing changed
+            error, unchanged = res[name]
+            assert error is not None and not error.startswith("raw"), (rank, name, error)
+            assert os.path.join(str(tmp_path / "ckpt"), name, "manifest.json") in error, error
+            assert "optimizer state 'step'" in error and "non-negative integer" in error, error
+            assert unchanged, (rank, name)
         assert res["steps"] == 2, res["steps"]             # rank 0 resolved ``latest``
         assert res["resaved"] is not None and "different saves" in res["resaved"]
 

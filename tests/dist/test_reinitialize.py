@@ -106,3 +106,44 @@ def test_a_second_trainer_trains_the_same_model(worlds, tmp_path):
     for stage in (2, 3):
         for second, reference in worlds.run(2, _two_trainers, str(tmp_path), stage):
             assert len(second) == 2 and second == reference, (stage, second, reference)
+
+
+def _closed_engine_refuses(rank, world, root):
+    """A closed engine's every public method refuses by name: above all, its
+    ``load_checkpoint`` must not rewrite the model a new engine now trains."""
+    import zerotrain
+    from zerotrain.errors import StateError
+    model = R.make_model()
+    old, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=2))
+    _train(old, rank, 0)
+    old.save_checkpoint(root, tag="old")
+    new, *_ = zerotrain.initialize(model=model, config=R.engine_config(stage=2))  # takes over
+    _train(new, rank, 2)
+    before = _full(model)
+    refused = {}
+    calls = {"load_checkpoint": lambda: old.load_checkpoint(root, tag="old"),
+             "save_checkpoint": lambda: old.save_checkpoint(root, tag="again"),
+             "wait_for_checkpoint": old.wait_for_checkpoint, "get_lr": old.get_lr,
+             "train_batch_size": old.train_batch_size, "zero_grad": old.zero_grad,
+             "load_state_dict": lambda: old.load_state_dict(old.state_dict()),
+             "eval": old.eval}
+    for name, call in calls.items():
+        try:
+            call()
+            refused[name] = None
+        except StateError as exc:
+            refused[name] = str(exc)
+    old.destroy()   # still allowed: does nothing
+    unchanged = R.max_diff(before, _full(model))
+    _train(new, rank, 4)
+    new.destroy()
+    return refused, unchanged
+
+
+def test_a_closed_engine_refuses_every_public_method_by_name(worlds, tmp_path):
+    for refused, unchanged in worlds.run(2, _closed_engine_refuses, str(tmp_path)):
+        assert unchanged == 0.0, unchanged
+        for name, message in refused.items():
+            called = "train()" if name == "eval" else f"{name}()"   # eval() is train(False)
+            assert message is not None and message.startswith(f"{called} on a closed "
+                                                              "engine"), (name, message)

@@ -17,8 +17,8 @@ import torch
 
 from . import client_state, dcp, deepspeed, fs, rng
 from .deepspeed.universal import UniversalCheckpoint, find_universal_dir
-from .manifest import (LATEST_NAME, CheckpointError, check_tag, file_identity_check,
-                       read_manifest, save_identity)
+from .manifest import (LATEST_NAME, MANIFEST_NAME, CheckpointError, check_tag,
+                       file_identity_check, read_manifest, save_identity)
 from .match import check_groups, check_left_out, check_model, checkpoint_shapes
 from .reshard import SourceIndex
 from .staged_load import LoadOptions, load_staged
@@ -127,6 +127,7 @@ class ZeroTrainFiles:
     def __init__(self, path: str) -> None:
         self.path = self.groups_where = path
         self.state_where = f"checkpoint {path}"
+        self.scalars_where = os.path.join(path, MANIFEST_NAME)   # optimizer scalars' file
         self.manifest = read_manifest(path)
         self.index = SourceIndex(self.manifest)
         self.reader = Reader(path, on_open=file_identity_check(self.manifest, path))

@@ -22,8 +22,14 @@ Note: frozen parameters left out
     the checkpoint (an error names it); export and consolidation write the rest and warn.
 
 An asynchronous save (``writer``) does steps 1-2, copies what steps 3-4 write into the
-writer's staging buffer and returns; the writer's thread does 3-4, with marker files in
-place of the second gather and no third one (Note: asynchronous save in ``writer.py``).
+writer's staging buffer, agrees on that copy (a gather: where one rank failed, every rank
+raises and no writer starts) and returns; the writer's thread does 3-4, with marker files
+in place of the second gather, and the collective ``wait`` exchanges the writers' outcomes
+in place of the third (Note: asynchronous save in ``writer.py``).
+
+Before any of it the engine checks that every rank is saving (``engine/accumulation.py``,
+``_agree_on_call``), and rank 0 waits for a save of this process still being written into
+the same directory (Note "saves in flight per directory" in ``writer.py``).
 """
 from __future__ import annotations
 
@@ -68,21 +74,28 @@ def save_checkpoint(state: TrainingState, save_dir: str, *, tag: Optional[str] =
     ``writer.py``); the caller has waited for the writer's previous save.
     ``exclude_frozen_parameters``: Note: frozen parameters left out.
     """
-    handed_over = False
+    attempt = _Attempt()
     try:
-        report, handed_over = _save(state, save_dir, tag=tag, client_state=client_state,
-                                    save_latest=save_latest, writer=writer,
-                                    exclude_frozen=exclude_frozen_parameters)
-        return report
+        return _save(state, save_dir, attempt, tag=tag, client_state=client_state,
+                     save_latest=save_latest, writer=writer,
+                     exclude_frozen=exclude_frozen_parameters)
     finally:
-        if not handed_over:
-            fs.unlock(save_dir)   # rank 0's save lock, taken in fs.prepare
+        if attempt.locked and not attempt.handed_over:
+            fs.unlock(save_dir)   # rank 0's save lock, taken in fs.prepare by this save only
 
 
-def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
+@dataclass
+class _Attempt:
+    """What this call holds: rank 0's save lock (``locked``: never release another save's,
+    an asynchronous one still writing there), and whether its writer took it over."""
+
+    locked: bool = False
+    handed_over: bool = False
+
+
+def _save(state: TrainingState, save_dir: str, attempt: _Attempt, *, tag: Optional[str],
           client_state: Optional[dict], save_latest: bool,
-          writer: Optional[BackgroundWriter],
-          exclude_frozen: bool) -> tuple[CheckpointReport, bool]:
+          writer: Optional[BackgroundWriter], exclude_frozen: bool) -> CheckpointReport:
     start = time.perf_counter()
     comm = state.comm
     tag = f"global_step{state.counters['global_steps']}" if tag is None else tag
@@ -106,7 +119,9 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
                 module_part.deepspeed = module_file.live_module_state(
                     state.module, exclude_frozen_parameters=exclude_frozen)
             fs.require_dir(save_dir)
+            writer_mod.wait_for_directory(save_dir)   # another engine's save in flight there
             local["nonce"] = fs.new_nonce()
+            attempt.locked = True   # a lock() that fails holds nothing, so unlock is safe
             fs.prepare(save_dir, tag, local["nonce"])
     except (CheckpointError, OSError) as exc:
         local["error"] = f"rank {comm.rank}: {exc}"
@@ -114,9 +129,11 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
     _raise_first(everyone)
     tmp = fs.temp_dir(save_dir, tag, everyone[0]["nonce"])
     if writer is not None:
-        return _save_in_background(state, writer, save_dir, tmp, tag, records, everyone,
-                                   client_tensors, save_latest, module_part, manifest,
-                                   start), True
+        report = _save_in_background(state, writer, save_dir, tmp, tag, records, everyone,
+                                     client_tensors, save_latest, module_part, manifest,
+                                     start)
+        attempt.handed_over = True
+        return report
     outcome: dict[str, Any] = {"error": None, "size": 0}
     try:
         items, rng_meta = _rank_items(state, records)
@@ -138,7 +155,7 @@ def _save(state: TrainingState, save_dir: str, *, tag: Optional[str],
                               bytes_written=outcome["size"] + final["bytes"])
     logger.info("saved checkpoint %s (%d bytes on rank 0) in %.3f s", final["path"],
                 report.bytes_written, report.seconds)
-    return report, False
+    return report
 
 
 def _save_in_background(state: TrainingState, writer: BackgroundWriter, save_dir: str,
@@ -150,29 +167,49 @@ def _save_in_background(state: TrainingState, writer: BackgroundWriter, save_dir
     (Note: asynchronous save). Everything taken from the live job is taken here."""
     comm = state.comm
     nonce = everyone[0]["nonce"]
-    items, rng_meta = _rank_items(state, records)
     shared = ("module/", "deepspeed/", "client/")   # rank 0's, written by its thread
-    if comm.rank == 0:
-        items += [(f"module/{k}", t) for k, t in module_part.tensors.items()]
-        items += [(f"deepspeed/{k}", t) for k, t in (module_part.deepspeed or {}).items()]
-        items += [(f"client/{k}", t) for k, t in client_tensors.items()]
-    staged = writer.buffer.stage(items)
-    own = [(key, staged[key]) for key, _ in items if not key.startswith(shared)]
-    if comm.rank == 0:
-        module_part = module_part.restaged(staged)
-        client_tensors = {k: staged[f"client/{k}"] for k in client_tensors}
+    failure: dict[str, Any] = {"error": None}
+    try:   # a failure here on one rank must not leave the others' writers running
+        items, rng_meta = _rank_items(state, records)
+        if comm.rank == 0:
+            items += [(f"module/{k}", t) for k, t in module_part.tensors.items()]
+            items += [(f"deepspeed/{k}", t) for k, t in (module_part.deepspeed or {}).items()]
+            items += [(f"client/{k}", t) for k, t in client_tensors.items()]
+        staged = writer.buffer.stage(items)
+        own = [(key, staged[key]) for key, _ in items if not key.startswith(shared)]
+        if comm.rank == 0:
+            module_part = module_part.restaged(staged)
+            client_tensors = {k: staged[f"client/{k}"] for k in client_tensors}
+    except Exception as exc:  # noqa: BLE001 - every rank raises it after the agreement
+        failure["error"] = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+        logger.exception("staging checkpoint %s failed", os.path.join(save_dir, tag))
+    outcomes = comm.all_gather_object(failure, label="checkpoint save: staged")
+    errors = [o["error"] for o in outcomes if o["error"]]
+    if errors:
+        if comm.rank == 0:
+            fs.remove_quietly(tmp)   # the lock goes in save_checkpoint: nothing handed over
+        raise CheckpointError(f"checkpoint {os.path.join(save_dir, tag)} was not saved: "
+                              f"{errors[0]}")
     world, rank = comm.world_size, comm.rank
     timeout = _publication_timeout(comm)
 
-    def job(abandon) -> None:
+    def job(abandon, report) -> None:
         try:
             size = _write_rank_file(tmp, rank, own, rng_meta, nonce)
             fs.crash_point("background")
             writer_mod.write_marker(tmp, rank, size, None)
         except (CheckpointError, OSError) as exc:
-            writer_mod.write_marker(tmp, rank, 0, f"rank {rank}: {exc}")
-            if rank != 0:
-                raise
+            error = f"rank {rank}: {exc}"
+            try:
+                writer_mod.write_marker(tmp, rank, 0, error)
+            except OSError:   # a full disk: the failure must still reach rank 0
+                writer_mod.mark_failed(tmp, rank)
+            report(str(exc))
+            if rank == 0:
+                fs.remove_quietly(tmp)
+                fs.unlock(save_dir)
+            raise
+        report(None)   # this rank's part is done (Note "writer outcomes are exchanged")
         if rank != 0:
             return
         try:
@@ -188,7 +225,7 @@ def _save_in_background(state: TrainingState, writer: BackgroundWriter, save_dir
             raise CheckpointError(final["error"])
         logger.info("saved checkpoint %s in the background", final["path"])
 
-    writer.start(job, f"{os.path.join(save_dir, tag)}")
+    writer.start(job, f"{os.path.join(save_dir, tag)}", directory=save_dir)
     seconds = time.perf_counter() - start
     logger.info("checkpoint %s staged in %.3f s; writing in the background",
                 os.path.join(save_dir, tag), seconds)

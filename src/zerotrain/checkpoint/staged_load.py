@@ -22,6 +22,7 @@ ZeRO tags, DeepSpeed Universal folders and torch DCP folders (``deepspeed/load.p
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -43,7 +44,8 @@ class LoadSource(Protocol):
     """What a checkpoint format provides to the load sequence; every method only reads.
 
     ``groups_where`` and ``state_where`` are how errors name where the optimizer's groups
-    and the rest of the small state were read. The small-state methods return what was
+    and the rest of the small state were read (``scalars_where``, where a source has it,
+    the optimizer's scalars such as ``step``; else ``groups_where``). The small-state methods return what was
     saved, unchecked (None: nothing saved); the sequence checks it."""
 
     path: str
@@ -217,9 +219,33 @@ def _stage_record(state: TrainingState, source: LoadSource, record, staged: Stag
     for key, value in values.items():
         fresh[key] = state_target(record.optimizer_state.get(key), record.master)
         copies.append((fresh[key], value))
+    where = getattr(source, "scalars_where", source.groups_where)
     for key, (value, dtype) in scalars.items():
+        check_count_scalar(key, value, record.names, where)
         fresh[key] = value if dtype is None else _scalar(value, dtype, group, record.master)
     staged.states.append((record, fresh, copies))
+
+
+COUNT_SCALARS = ("step",)   # optimizer scalars that count updates (Adam's bias correction)
+_MAX_COUNT = 2 ** 62
+
+
+def check_count_scalar(key: str, value: Any, names: Sequence[str], where: str) -> None:
+    """An optimizer scalar that counts updates (Adam's ``step``) must be a non-negative
+    integral number: -1 divides by zero in the next bias correction, -0.9 silently scales
+    the next update several times over, 2.5 resumes a schedule that never existed. Raises
+    CheckpointError naming ``where`` (the file) and the field."""
+    if key not in COUNT_SCALARS or value is None:
+        return
+    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    ok = (isinstance(number, (int, float)) and not isinstance(number, bool)
+          and math.isfinite(number) and float(number).is_integer()
+          and 0 <= number < _MAX_COUNT)
+    if not ok:
+        first = f"{names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+        raise CheckpointError(f"{where}: optimizer state {key!r} of parameter {first} is "
+                              f"{number!r}; expected a non-negative integer (a count of "
+                              "optimizer steps)")
 
 
 def _scalar(value: Any, dtype: torch.dtype, group: dict, master: torch.Tensor) -> Any:
@@ -271,17 +297,40 @@ def _stage_small(state: TrainingState, source: LoadSource, staged: Staged,
         if scaler is not None:
             staged.loss_scaler = check_loss_scaler(scaler, state.loss_scaler.state_dict(),
                                                    where)
+            _accepted(state.loss_scaler, staged.loss_scaler, "loss_scaler", where)
     if options.scheduler and state.lr_scheduler is not None:
         saved = source.lr_scheduler_state()
         if saved is not None:
             staged.lr_scheduler = check_scheduler(saved, state.lr_scheduler.state_dict(),
                                                   where)
+            _accepted(state.lr_scheduler, staged.lr_scheduler, "lr_scheduler", where)
     loader, position = state.data_loader, source.data_loader_state()
     if loader is not None and position is not None and hasattr(loader, "load_state_dict"):
         if hasattr(loader, "state_dict"):
             position = check_data_loader(position, loader.state_dict(), where)
+        _accepted(loader, position, "data_loader", where)
         staged.data_loader = position
     staged.counters = check_counters(source.counters(), where)
+
+
+def _accepted(owner: Any, value: Any, what: str, where: str) -> None:
+    """Ask ``owner`` whether its ``load_state_dict(value)`` would raise, where it can say
+    without loading (``check_state_dict``: zerotrain's schedules): a refusal at commit would
+    come after the weights and the optimizer state were written (Note: stage, agree,
+    commit)."""
+    check = getattr(owner, "check_state_dict", None)
+    if not callable(check):
+        return
+    try:
+        check(value)
+    except (ValueError, TypeError, KeyError) as exc:
+        key = str(getattr(exc, "path", "")).rsplit(".", 1)[-1]   # a ConfigError's key
+        if isinstance(value, dict) and key in value:
+            raise CheckpointError(f"{where}: {what}[{key!r}] is {value[key]!r}; "
+                                  f"{type(owner).__name__} refuses it: "
+                                  f"{getattr(exc, 'message', exc)}") from None
+        raise CheckpointError(f"{where}: {what} is refused by {type(owner).__name__}: "
+                              f"{exc}") from None
 
 
 def agree(comm, failure: Optional[BaseException], *, found: bool, what: str, where: str,

@@ -164,13 +164,47 @@ class EngineAccumulation:
         vote(self.comm, values, label=label, refuse=self._backward_refusal,
              deferred=not backward or not self._micro_backwards)
 
+    def _agree_on_call(self, call: str) -> None:
+        """Before ``save_checkpoint`` or ``load_checkpoint`` (``call``), collective: every
+        rank is making this call, or every rank raises RankDivergenceError together
+        (docs/divergence.md, "Collective calls"). At stages 0-2 a vote shaped as the
+        training votes (a peer still training meets it at its next backward or update vote
+        and raises there); at stage 3 a header (``agree_on_call``) that meets the peer's
+        next unit gather or step. Read at once: nothing of the call starts before."""
+        if self.stage.partitions_parameters:
+            agree = getattr(self.stage, "agree_on_call", None)
+            if agree is not None:
+                agree(call)
+            return
+        if self.managed_gradient_accumulation():
+            values = (_EVENTS.index(call), self.micro_steps, self._micro_backwards)
+            describe = _managed
+        else:
+            values, describe = (_UNMANAGED_CALLS.index(call), self._window_backwards), _unmanaged
+        vote(self.comm, values, label=f"{call} vote", deferred=False,
+             refuse=lambda seen: self._call_refusal(call, seen, describe))
+
+    def _call_refusal(self, call: str, seen: list[tuple[int, ...]],
+                      describe) -> RankDivergenceError:
+        return RankDivergenceError(
+            f"rank {self.comm.rank}: not every rank is at {call}() "
+            f"({_describe(seen, describe)}). {call}() is collective: every rank calls it "
+            "at the same point (a call under `if rank == 0:` is the usual cause); see "
+            "docs/divergence.md")
+
     def _unmanaged_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
+        calls = [_UNMANAGED_CALLS[v[0]] for v in seen if 2 <= v[0] < len(_UNMANAGED_CALLS)]
+        if calls:   # a peer at save_checkpoint/load_checkpoint: name that
+            return self._call_refusal(calls[0], seen, _unmanaged)
         return RankDivergenceError(
             f"rank {self.comm.rank}: with managed_gradient_accumulation=False every rank must "
             "run the same number of backwards before each step(), and they did not "
             f"({_describe(seen, _unmanaged)})")
 
     def _backward_refusal(self, seen: list[tuple[int, ...]]) -> RankDivergenceError:
+        calls = [_EVENTS[v[0]] for v in seen if 3 <= v[0] < len(_EVENTS)]
+        if calls:   # a peer at save_checkpoint/load_checkpoint: name that
+            return self._call_refusal(calls[0], seen, _managed)
         return RankDivergenceError(
             f"rank {self.comm.rank}: the ranks ran different backwards "
             f"({_describe(seen, _managed)}). Every rank must run the same backwards in "
@@ -326,15 +360,23 @@ def _describe(seen: list[tuple[int, ...]], what) -> str:
     return "; ".join(f"rank {r}: {what(*values)}" for r, values in enumerate(seen))
 
 
+# an unmanaged vote's first value: 0 a backward, 1 an update, then the collective calls
+_UNMANAGED_CALLS = ("backward", "update", "save_checkpoint", "load_checkpoint")
+
+
 def _unmanaged(update: int, backwards: int) -> str:
+    if update >= 2:
+        return f"{_UNMANAGED_CALLS[update]}() after {backwards} backward(s)"
     return f"an update after {backwards} backward(s)" if update else f"backward {backwards + 1}"
 
 
 # what a managed vote says a rank is about to do (its first value)
-_EVENTS = ("backward", "update", "flush")
+_EVENTS = ("backward", "update", "flush", "save_checkpoint", "load_checkpoint")
 
 
 def _managed(event: int, micro_step: int, backwards: int) -> str:
+    if _EVENTS[event] in ("save_checkpoint", "load_checkpoint"):
+        return f"{_EVENTS[event]}() at micro-step {micro_step}"
     if _EVENTS[event] == "update":
         return f"the update at micro-step {micro_step}, after {backwards} backward(s) in it"
     if _EVENTS[event] == "flush":

@@ -45,7 +45,7 @@ from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
 from ..optim_kinds import deepspeed_kinds
-from .ownership import claim, close_stage
+from .ownership import claim, close_stage, refuse_when_closed
 from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from ..stages.base import Stage, StepOutcome
 from ..stages.param_watch import ParameterWatch
@@ -58,6 +58,7 @@ from ..utils import gradient_norms_by_group
 logger = logging.getLogger(__name__)
 
 
+@refuse_when_closed   # Note "a closed engine refuses" in ownership.py
 class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCompile,
                  EngineAccumulation, nn.Module):
     """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``. DeepSpeed's
@@ -126,7 +127,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         """Run the module; floating inputs are cast to the parameter dtype only when
         ``fp16.auto_cast`` (DeepSpeed's) or ``bf16.auto_cast`` (zerotrain's opt-in) is set,
         and otherwise reach the module as given, as in DeepSpeed."""
-        self._refuse_closed("forward()")
         moved_states.refuse_while_away(self._moved, "forward()", parameters_only=True)
         self._end_failed_direct_backward()
         with self._timers.time("forward"):
@@ -151,7 +151,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of one micro-step: divides by the accumulation steps, scales for fp16,
         and leaves the gradient reduced (or accumulated) in the stage's buffers."""
-        self._refuse_closed("backward()")
         self._refuse_without_optimizer("backward()")
         self._end_failed_direct_backward()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -228,7 +227,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
-        self._refuse_closed("step()")
         self._refuse_without_optimizer("step()")
         moved_states.refuse_while_away(self._moved, "step()")
         self._end_failed_direct_backward()
@@ -257,11 +255,6 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         forward, evaluation, generation and checkpoint loading only, as in DeepSpeed."""
         return isinstance(self.stage.optimizer, InferenceOnlyOptimizer)
 
-    def _refuse_closed(self, call: str) -> None:
-        if getattr(self.stage, "zerotrain_closed", False):
-            raise StateError(f"{call} on a closed engine: destroy() or close() was called, or "
-                             "a later initialize() took its model over; train with the "
-                             "engine that initialize() returned last")
 
     def _refuse_without_optimizer(self, call: str) -> None:
         if self.inference_only:

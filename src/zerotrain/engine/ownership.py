@@ -10,13 +10,25 @@ Note: one open engine per model
     the same module), after which the closed engine refuses to train. After ``close()`` the
     model can be given to a new engine at any stage: below stage 3 its parameters are whole
     and current; at stage 3 they stay partitioned, as after ``zero.Init``.
+
+Note: a closed engine refuses
+    Once closed, an engine's model may belong to a new engine, so whatever the old one does
+    (a ``load_checkpoint`` that rewrites the weights, a save of state it no longer owns, an
+    accessor reading a released stage) would act on someone else's training. Every public
+    method of the engine's classes, and ``nn.Module``'s that change the module, therefore
+    starts with one check (:func:`refuse_when_closed`) and raises StateError naming the
+    call; ``close()`` and ``destroy()`` stay allowed (a second call does nothing).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
+
+from ..errors import StateError
 
 from ..stages.base import Stage
 
@@ -56,3 +68,43 @@ def open_stage_of(module: nn.Module) -> Optional[tuple[str, Stage]]:
                 and id(p) in stage.zerotrain_params):
             return name, stage
     return None
+
+
+# nn.Module's public methods that change the module (the engine's own are all guarded)
+_MODULE_WRITES = ("load_state_dict", "apply", "to", "cuda", "cpu", "half", "float", "double",
+                  "bfloat16", "type", "requires_grad_", "share_memory", "register_module",
+                  "register_parameter", "register_buffer", "add_module")
+_ALWAYS = ("close", "destroy")
+
+
+def refuse_when_closed(cls: type) -> type:
+    """Guard every public method ``cls`` defines or inherits from zerotrain's classes, and
+    nn.Module's that write (Note: a closed engine refuses). A class decorator."""
+    names: dict[str, Callable] = {}
+    for owner in reversed(cls.__mro__):
+        own = owner.__module__.startswith("zerotrain.")
+        for name, value in vars(owner).items():
+            if name.startswith("_") or name in _ALWAYS or not inspect.isfunction(value):
+                continue
+            if own or (owner is nn.Module and name in _MODULE_WRITES):
+                names[name] = value
+            else:
+                names.pop(name, None)   # overridden by a class that is not guarded
+    for name in names:
+        setattr(cls, name, _guarded(name, getattr(cls, name)))
+    return cls
+
+
+def _guarded(name: str, method: Callable) -> Callable:
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if getattr(self.__dict__.get("stage"), "zerotrain_closed", False):
+            raise closed_error(f"{name}()")
+        return method(self, *args, **kwargs)
+    return guarded
+
+
+def closed_error(call: str) -> StateError:
+    return StateError(f"{call} on a closed engine: destroy() or close() was called, or a "
+                      "later initialize() took its model over; train with the engine that "
+                      "initialize() returned last")

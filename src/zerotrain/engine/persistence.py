@@ -41,6 +41,7 @@ class EnginePersistence:
     last_checkpoint_report: Any
     _moved: Any
     _checkpoint_writer: Optional[checkpoint.BackgroundWriter]
+    _agree_on_call: Any   # EngineAccumulation's: every rank is at this call
 
     def _training_state(self) -> checkpoint.TrainingState:
         return checkpoint.TrainingState(
@@ -74,18 +75,25 @@ class EnginePersistence:
                 if self.managed_gradient_accumulation() else self._backward_in_window):
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
+        self._agree_on_call("save_checkpoint")   # every rank saves, or all raise together
         self.settle()
         self.wait_for_checkpoint()
         if async_save is None:
             writer_config = self.config.checkpoint.writer
             async_save = writer_config is not None and writer_config.decoupled
-        if async_save and self._checkpoint_writer is None:
+        created = async_save and self._checkpoint_writer is None
+        if created:
             self._checkpoint_writer = checkpoint.BackgroundWriter()
-        self.last_checkpoint_report = checkpoint.save_checkpoint(
-            self._training_state(), save_dir, tag=None if tag is None else str(tag),
-            client_state=client_state, save_latest=save_latest,
-            writer=self._checkpoint_writer if async_save else None,
-            exclude_frozen_parameters=exclude_frozen_parameters)
+        try:
+            self.last_checkpoint_report = checkpoint.save_checkpoint(
+                self._training_state(), save_dir, tag=None if tag is None else str(tag),
+                client_state=client_state, save_latest=save_latest,
+                writer=self._checkpoint_writer if async_save else None,
+                exclude_frozen_parameters=exclude_frozen_parameters)
+        except BaseException:
+            if created:   # every rank raised before its writer started: none holds one
+                self._checkpoint_writer = None
+            raise
         return True
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
@@ -96,7 +104,8 @@ class EnginePersistence:
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the asynchronous save in flight, if any; raise CheckpointError on every
-        rank if it failed (it was then not published). Collective: every rank calls it."""
+        rank if it failed (it was then not published). Collective once the engine has made
+        an asynchronous save, whether or not one is in flight: every rank calls it."""
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.wait(self.comm, debug=self.config.debug)
 
@@ -114,6 +123,7 @@ class EnginePersistence:
         if self.inference_only:   # as in DeepSpeed: no optimizer, so only the weights
             load_optimizer_states = load_lr_scheduler_states = False
         moved_states.refuse_while_away(self._moved, "load_checkpoint()")
+        self._agree_on_call("load_checkpoint")   # every rank loads, or all raise together
         self.settle()
         self.wait_for_checkpoint()
         result = checkpoint.load_checkpoint(

@@ -53,10 +53,15 @@ class _Stepped:
     def state_dict(self) -> dict:
         return {"last_batch_iteration": self.last_batch_iteration}
 
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ConfigError where :meth:`load_state_dict` would, changing nothing: a
+        checkpoint load checks every value before it writes any (``staged_load.py``)."""
+        _check_int("last_batch_iteration", state["last_batch_iteration"], -1)
+
     def load_state_dict(self, state: dict) -> None:
         """Restore the counter only, as DeepSpeed does; the next ``step()`` writes the lr."""
-        self.last_batch_iteration = _check_int(
-            "last_batch_iteration", state["last_batch_iteration"], -1)
+        self.check_state_dict(state)
+        self.last_batch_iteration = state["last_batch_iteration"]
 
 
 class _Schedule(_Stepped):

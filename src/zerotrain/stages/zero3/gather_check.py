@@ -54,6 +54,7 @@ HEADER_BYTES = 16
 MAGIC = 0x5A543347   # 'ZT3G'
 NO_UNIT = -1         # a header that goes out with no unit gather (held reductions only)
 STEP = -2            # the header of an optimizer step
+CALLS = {-3: "save_checkpoint", -4: "load_checkpoint"}   # headers of collective engine calls
 
 
 class GatherCheck:
@@ -102,6 +103,8 @@ class GatherCheck:
             if row[0] != MAGIC:
                 return "not a unit gather (a different collective paired with it)"
             unit, passes, launch, held = row[1], row[2], row[3] & 0xFFFF, row[3] >> 16
+            if unit in CALLS:
+                return f"{CALLS[unit]}() after forward pass {passes}"
             reduced = (f"{held} gradient reduce-scatter{'s' if held != 1 else ''}"
                        if held else "")
             if unit == STEP:
@@ -112,6 +115,12 @@ class GatherCheck:
             after = f" after {reduced}" if held else ""
             return f"{self._describe(unit)}{after}, gather {launch} of forward pass {passes}"
         lines = "; ".join(f"rank {r}: {where(row)}" for r, row in enumerate(rows))
+        calls = sorted({CALLS[row[1]] for row in rows if row[0] == MAGIC and row[1] in CALLS})
+        if calls:
+            return (f"rank {rank}: stage 3: ranks are launching different collectives "
+                    f"({lines}). {' and '.join(c + '()' for c in calls)} is collective: every "
+                    "rank calls it at the same point (a call under `if rank == 0:` is the "
+                    "usual cause); see docs/divergence.md")
         return (f"rank {rank}: stage 3: ranks are launching different collectives ({lines}). "
                 "The ranks took different paths through the model: routing that depends "
                 "on the data (experts that are units of their own), a module run on some "
@@ -209,6 +218,21 @@ class HostLaunches:
             self.agree(STEP, label=label)
         if self.plan is not None:
             self.plan.end_cycle()
+
+    def before_call(self, code: int) -> None:
+        """Before a collective engine call (``code``: a key of :data:`CALLS`): leave a
+        standing plan (Note "launch plans" in plan.py), then exchange a header naming the
+        call, so a peer at a unit gather or the step raises with this rank, at once."""
+        if self._failed is not None:
+            raise self._failed
+        if self.plan is not None:
+            try:
+                self.plan.leave_for(f"{CALLS[code]}() after forward pass "
+                                    f"{self.check.forward_pass}")
+            except RankDivergenceError as exc:
+                self.failed(exc)
+                raise
+        self.agree(code, label=CALLS[code])
 
     def failed(self, error: RankDivergenceError) -> None:
         """The ranks were found apart elsewhere (the step): no collective pairs any more."""

@@ -75,6 +75,25 @@ class LaunchPlan:
         if planned == op:
             self.cursor += 1
             return True
+        self._leave(actual)
+        if op[0] == STEP_OP:
+            return True   # the step's own all-reduce follows, as on the ranks that planned
+        self._decoy_step()   # raises unless every rank left the plan here alike
+        return False
+
+    def leave_for(self, actual: str) -> None:
+        """Before a collective that is no launch of a cycle (a checkpoint save or load):
+        where a plan stands, leave it as :meth:`admit` does for a launch it does not have,
+        sending what the others expect up to the step (raises RankDivergenceError unless
+        every rank leaves it here alike). Not recorded: the cycle's record stays the
+        launches of training."""
+        if self.plan is None:
+            return
+        self._leave(lambda: actual)
+        self._decoy_step()
+
+    def _leave(self, actual: Callable[[], str]) -> None:
+        planned = self.plan[self.cursor]
         self.left += 1
         self.comm.ledger.trail.note("left the plan", None,
                                     f"{actual()}, where the ranks' plan had "
@@ -82,10 +101,6 @@ class LaunchPlan:
         remaining, self.plan = self.plan[self.cursor:-1], None
         for planned_op in remaining:
             self._send_in_place_of(planned_op)
-        if op[0] == STEP_OP:
-            return True   # the step's own all-reduce follows, as on the ranks that planned
-        self._decoy_step()   # raises unless every rank left the plan here alike
-        return False
 
     def end_cycle(self) -> None:
         """At the step, before its all-reduce: the cycle's record goes into the trail (and

@@ -37,6 +37,7 @@ from ...core.precision import PrecisionPolicy
 from ..base import FROZEN, BucketedStage, CompileTarget, RecordArrivals, ShardRecord
 from . import partition as P
 from ...errors import RankDivergenceError, StateError
+from .gather_check import CALLS
 from .hierarchical import build_groups
 from .hooks import hooks_set_aside, install_module_hooks, unit_users
 from .lockstep import mark_lockstep
@@ -187,6 +188,15 @@ class PartitionedDataParallel(BucketedStage):
             if self.wire.host.plan is not None:   # the ranks' records differ: no plan
                 self.wire.host.plan.forget()
             raise
+
+    def agree_on_call(self, call: str) -> None:
+        """Before ``save_checkpoint``/``load_checkpoint`` (``call``): on the host, a header
+        that names it, so that ranks not all making the call raise RankDivergenceError
+        together (``HostLaunches.before_call``); on a device the headers ride inside the
+        unit gathers, so nothing is checked there."""
+        if self._host_checked:
+            code = next(k for k, v in CALLS.items() if v == call)
+            self.wire.host.before_call(code)
 
     def settle(self, *, before_step: bool = False) -> None:
         """The base's settle (a delayed update joined and published), then the masters take what was written through ``ds_tensor``

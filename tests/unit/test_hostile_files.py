@@ -438,6 +438,7 @@ ALLOWED_OPENS = {
     ("checkpoint/save.py", "_write_json"): "writes a new JSON file",
     ("checkpoint/consolidate.py", "_write_json"): "writes the safetensors index",
     ("checkpoint/writer.py", "write_marker"): "writes this rank's marker",
+    ("checkpoint/writer.py", "mark_failed"): "creates this rank's empty failure mark",
     ("checkpoint/recovery.py", "write_script"): "writes zero_to_fp32.py aside",
     ("checkpoint/deepspeed/module_file.py", "write_module_file"): "fsyncs the file it wrote",
     ("checkpoint/export_target.py", "_fsync_file"): "fsyncs a file the export wrote",

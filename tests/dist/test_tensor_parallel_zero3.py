@@ -2,7 +2,7 @@
 the data-parallel ranks: tp/zero3.py): tiny Llama and GPT-2 at T=2 x DP=2 and T=2 x DP=1
 train like one process on the global batch (weights read through
 ``safe_get_full_fp32_param`` and joined over the tensor-parallel group, the clipped norm,
-gradient accumulation); the readers answer in the rank's slice; each rank holds its
+gradient accumulation, optimizer and parameter offload); the readers answer in the rank's slice; each rank holds its
 parameters divided by T and by DP; stage 3 sends nothing over the world; a stage-3 save
 loads at stage 2 and at another T, and a stage-2 save at stage 3; what is not built is
 refused by name."""
@@ -52,8 +52,8 @@ def _refused():
     frozen.model.embed_tokens.weight.requires_grad_(False)
     out = {}
     for name, zero, model in (
-            ("offload_param", {"offload_param": {"device": "cpu"}}, None),
-            ("offload_optimizer", {"offload_optimizer": {"device": "cpu"}}, None),
+            ("zero_quantized_weights", {"zero_quantized_weights": True}, None),
+            ("zero_quantized_gradients", {"zero_quantized_gradients": True}, None),
             ("mics", {"mics_shard_size": 1}, None),
             ("frozen", {}, frozen)):
         try:
@@ -96,9 +96,9 @@ def _steps(engine, steps, ga=1, before_step=None):
     return norms
 
 
-def _train(family, ga=1):
+def _train(family, ga=1, zero=None):
     from zerotrain.utils import safe_get_full_fp32_param
-    engine = _engine(family, ga=ga)
+    engine = _engine(family, ga=ga, zero=zero)
     norms = _steps(engine, range(STEPS), ga)
     weights = _read(engine, safe_get_full_fp32_param)
     engine.destroy()
@@ -246,6 +246,8 @@ def _world(rank, world, path):
         out["refused"] = _refused()
     if world == 4:
         out["ga"] = _train("llama", ga=2)
+        out["offload"] = _train("llama", zero={"offload_optimizer": {"device": "cpu"},
+                                               "offload_param": {"device": "cpu"}})
         out["checkpoints"] = _checkpoints(path)
     return out
 
@@ -305,6 +307,10 @@ def test_tp_zero3_trains_like_one_process_and_partitions_slices_over_dp(worlds, 
             weights, norms = out["ga"]
             assert _max_diff(weights, ga_ref["final"]) < 1e-5, rank
             assert norms == pytest.approx(ga_ref["norms"], rel=1e-5), rank
+            # masters stepped on the host and parameter shards kept there: the same step
+            weights, norms = out["offload"]
+            assert _max_diff(weights, refs["llama"]["final"]) < 1e-5, rank
+            assert norms == pytest.approx(refs["llama"]["norms"], rel=1e-5), rank
             for name, loaded in out["checkpoints"].items():
                 for key in ("params", "exp_avg"):
                     diff = _max_diff(loaded[key], refs["llama"][key])
@@ -314,7 +320,7 @@ def test_tp_zero3_trains_like_one_process_and_partitions_slices_over_dp(worlds, 
                         rank, name)
         if world == 2:
             refused = out["refused"]
-            for key in ("offload_param", "offload_optimizer"):
+            for key in ("zero_quantized_weights", "zero_quantized_gradients"):
                 assert refused[key].startswith(f"zero_optimization.{key}: with tensor_"
                                                "parallel.autotp_size 2 at zero_optimization"
                                                ".stage 3 is not supported"), refused

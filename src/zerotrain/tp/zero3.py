@@ -23,9 +23,10 @@ Note: tensor parallelism then stage 3
     What this module refuses is untested with tensor parallelism, and each is named:
     parameters ``zero.Init`` already partitioned over the world (the cut needs whole
     weights), frozen parameters (stage 3 partitions them outside the records the wrapper
-    gathers for checkpoints), ``offload_param``, ``offload_optimizer``, and the
-    hierarchical layouts of ZeRO++ and MiCS (they build their groups from the node
-    topology of the world, not of the data-parallel group).
+    gathers for checkpoints), and the hierarchical layouts of ZeRO++ and MiCS (they build
+    their groups from the node topology of the world, not of the data-parallel group).
+    ``offload_optimizer`` and ``offload_param`` keep stage 3's masters and shards on the
+    host, which changes nothing the wrapper sees: they train like one process.
 """
 from __future__ import annotations
 
@@ -42,10 +43,6 @@ def check_stage3(zero_config, model: nn.Module, size: int) -> None:
     (Note "tensor parallelism then stage 3"). Local; every rank sees the same model and
     config, so every rank refuses alike."""
     refused = [(key, what) for key, what in (
-        ("zero_optimization.offload_param", zero_config.offload_param is not None
-         and zero_config.offload_param.device != "none"),
-        ("zero_optimization.offload_optimizer", zero_config.offload_optimizer is not None
-         and zero_config.offload_optimizer.device != "none"),
         ("zero_optimization.zero_hpz_partition_size",
          int(zero_config.zero_hpz_partition_size) > 1),
         ("zero_optimization.mics_shard_size", int(zero_config.mics_shard_size) > 0),

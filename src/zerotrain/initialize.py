@@ -55,7 +55,7 @@ from .core.precision import PrecisionPolicy
 from .utils import register_engine
 from .stages.factory import adopt, build_stage, stage_class
 from .tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
-from .tp.zero3 import check_stage3
+from .tp.zero3 import check_stage3, whole_before_cut
 from .stages.zero3.partition import is_partitioned
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ def _split_tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, comm: Communi
         return None
     if stage_class(cfg.zero_optimization.stage).partitions_parameters:
         check_stage3(cfg.zero_optimization, model, size)   # tp/zero3.py: cut, then stage 3
+        whole_before_cut(model, comm)   # a zero.Init model: whole, then cut
     before = dict(model.named_parameters())
     plan = parallelize(model, build_mesh(comm, size), cfg.tensor_parallel)
     after = dict(model.named_parameters())

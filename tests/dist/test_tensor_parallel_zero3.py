@@ -2,7 +2,8 @@
 the data-parallel ranks: tp/zero3.py): tiny Llama and GPT-2 at T=2 x DP=2 and T=2 x DP=1
 train like one process on the global batch (weights read through
 ``safe_get_full_fp32_param`` and joined over the tensor-parallel group, the clipped norm,
-gradient accumulation, optimizer and parameter offload); the readers answer in the rank's slice; each rank holds its
+gradient accumulation, optimizer and parameter offload, a model built under
+``zero.Init``); the readers answer in the rank's slice; each rank holds its
 parameters divided by T and by DP; stage 3 sends nothing over the world; a stage-3 save
 loads at stage 2 and at another T, and a stage-2 save at stage 3; what is not built is
 refused by name."""
@@ -96,9 +97,15 @@ def _steps(engine, steps, ga=1, before_step=None):
     return norms
 
 
-def _train(family, ga=1, zero=None):
+def _train(family, ga=1, zero=None, zero_init=False):
+    import zerotrain
     from zerotrain.utils import safe_get_full_fp32_param
-    engine = _engine(family, ga=ga, zero=zero)
+    model = None
+    if zero_init:   # built partitioned over the world: made whole, cut, then partitioned
+        with zerotrain.zero.Init():
+            model = _model(family)
+        assert all(p.ds_tensor is not None for p in model.parameters())
+    engine = _engine(family, ga=ga, zero=zero, model=model)
     norms = _steps(engine, range(STEPS), ga)
     weights = _read(engine, safe_get_full_fp32_param)
     engine.destroy()
@@ -246,6 +253,7 @@ def _world(rank, world, path):
         out["refused"] = _refused()
     if world == 4:
         out["ga"] = _train("llama", ga=2)
+        out["zero_init"] = _train("llama", zero_init=True)
         out["offload"] = _train("llama", zero={"offload_optimizer": {"device": "cpu"},
                                                "offload_param": {"device": "cpu"}})
         out["checkpoints"] = _checkpoints(path)
@@ -307,10 +315,12 @@ def test_tp_zero3_trains_like_one_process_and_partitions_slices_over_dp(worlds, 
             weights, norms = out["ga"]
             assert _max_diff(weights, ga_ref["final"]) < 1e-5, rank
             assert norms == pytest.approx(ga_ref["norms"], rel=1e-5), rank
-            # masters stepped on the host and parameter shards kept there: the same step
-            weights, norms = out["offload"]
-            assert _max_diff(weights, refs["llama"]["final"]) < 1e-5, rank
-            assert norms == pytest.approx(refs["llama"]["norms"], rel=1e-5), rank
+            # masters stepped on the host and parameter shards kept there, and a model
+            # built under zero.Init: the same steps
+            for case in ("offload", "zero_init"):
+                weights, norms = out[case]
+                assert _max_diff(weights, refs["llama"]["final"]) < 1e-5, (rank, case)
+                assert norms == pytest.approx(refs["llama"]["norms"], rel=1e-5), (rank, case)
             for name, loaded in out["checkpoints"].items():
                 for key in ("params", "exp_avg"):
                     diff = _max_diff(loaded[key], refs["llama"][key])

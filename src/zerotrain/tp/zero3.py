@@ -20,9 +20,11 @@ Note: tensor parallelism then stage 3
     gathered view for checkpoints. Stage 3 holds its records in the shapes of the slices
     (``ds_shape``), so the readers' "slice or whole" view needs no change.
 
+    A model built under ``zero.Init`` is partitioned over the world, and the cut needs
+    whole weights: :func:`whole_before_cut` gathers it first, as stages 0-2 do.
+
     What this module refuses is untested with tensor parallelism, and each is named:
-    parameters ``zero.Init`` already partitioned over the world (the cut needs whole
-    weights), frozen parameters (stage 3 partitions them outside the records the wrapper
+    frozen parameters (stage 3 partitions them outside the records the wrapper
     gathers for checkpoints), and the hierarchical layouts of ZeRO++ and MiCS (they build
     their groups from the node topology of the world, not of the data-parallel group).
     ``offload_optimizer`` and ``offload_param`` keep stage 3's masters and shards on the
@@ -32,10 +34,21 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..comm import Communicator
 from ..errors import ConfigError
 from ..stages.zero3.partition import is_partitioned
+from ..stages.zero3.zero_init import unpartition
 
 _KEY = "tensor_parallel.autotp_size"
+
+
+def whole_before_cut(model: nn.Module, comm: Communicator) -> None:
+    """A model built under ``zero.Init`` (partitioned over the world) made whole again, so
+    that the cut takes whole weights; stage 3 then partitions the slices over the
+    data-parallel group. Each rank holds the whole model between the two, as it does at
+    stages 0-2 under ``zero.Init``. Collective over ``comm`` (the world)."""
+    if any(is_partitioned(p) for p in model.parameters()):
+        unpartition(model.parameters(), comm)
 
 
 def check_stage3(zero_config, model: nn.Module, size: int) -> None:
@@ -56,12 +69,6 @@ def check_stage3(zero_config, model: nn.Module, size: int) -> None:
         raise ConfigError(key, f"with {_KEY} {size} at zero_optimization.stage 3 is not "
                           "supported (docs/tensor-parallel.md, \"What composes\")")
     for name, param in model.named_parameters():
-        if is_partitioned(param):
-            raise ConfigError(_KEY, f"{size} at zero_optimization.stage 3 needs the model "
-                              f"built whole: parameter {name!r} was partitioned by "
-                              "zero.Init; build the model outside zero.Init (tensor "
-                              "parallelism cuts whole weights before stage 3 partitions "
-                              "the slices)", value=size)
         if not param.requires_grad:
             raise ConfigError(_KEY, f"{size} at zero_optimization.stage 3 trains models "
                               f"whose parameters all train: {name!r} is frozen "

@@ -11,7 +11,8 @@ The order matters and is written down here:
 5. rank 0's parameters broadcast, so every rank starts from the same weights;
 6. with ``tensor_parallel.autotp_size`` T > 1, the mesh and the model's layers split over
    it (``tp/``), after the broadcast so every rank cuts its slice from the same weights;
-   the stage then shards over the data-parallel ranks only;
+   the stage then shards over the data-parallel ranks only (at stage 3 it partitions
+   the slices: ``tp/zero3.py``);
 7. the stage, which shards the optimizer and installs the gradient hooks;
 8. the scheduler and the data loader, which need the stage's optimizer and the
    data-parallel world size;
@@ -54,6 +55,7 @@ from .core.precision import PrecisionPolicy
 from .utils import register_engine
 from .stages.factory import adopt, build_stage, stage_class
 from .tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
+from .tp.zero3 import check_stage3, whole_before_cut
 from .stages.zero3.partition import is_partitioned
 
 logger = logging.getLogger(__name__)
@@ -186,9 +188,8 @@ def _split_tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, comm: Communi
     if size == 1:
         return None
     if stage_class(cfg.zero_optimization.stage).partitions_parameters:
-        raise ConfigError("tensor_parallel.autotp_size", f"{size} with zero_optimization."
-                          "stage 3: tensor parallelism composes with stages 0-2 only "
-                          "(docs/tensor-parallel.md)", value=size)
+        check_stage3(cfg.zero_optimization, model, size)   # tp/zero3.py: cut, then stage 3
+        whole_before_cut(model, comm)   # a zero.Init model: whole, then cut
     before = dict(model.named_parameters())
     plan = parallelize(model, build_mesh(comm, size), cfg.tensor_parallel)
     after = dict(model.named_parameters())

@@ -4,8 +4,8 @@ DeepSpeed: transformers fills ``train_batch_size`` counting all N ranks, records
 with ``deepspeed.tp_model_init``, and Accelerate gives the two ranks of each
 tensor-parallel group the same batch. A tiny Llama then trains like the plain Trainer on
 one process whose batch holds the N/2 data-parallel ranks' samples (fp32, clipping,
-accumulation 2, a short last window at the epoch's end), and ``save_model`` writes the
-whole weights.
+accumulation 2, a short last window at the epoch's end), at stages 1, 2 and 3 (the
+model built whole, outside ``zero.Init``), and ``save_model`` writes the whole weights.
 
 The ranks are the shared worlds, so the switch is turned on and off around the run
 (:func:`_switch`). transformers and Accelerate decide at import whether ``deepspeed``
@@ -121,7 +121,7 @@ def _plain(root, dp):
     return _curve(trainer), {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("world,stage", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("world,stage", [(2, 1), (4, 2), (4, 3)])
 def test_trainer_deepspeed_tensor_parallel_matches_the_plain_trainer(worlds, tmp_path, world,
                                                                      stage):
     pytest.importorskip("transformers")

@@ -6,7 +6,8 @@ row-parallel linear layers; Note "plain slices, not DTensors"), ``apply`` (``par
 cutting a model), ``norm`` (the gradient norm over both dimensions), ``view`` (checkpoint
 records with the tensor-parallel dimension gathered), ``stage`` (the ZeRO stage seen
 over the whole mesh), ``model_init`` (DeepSpeed's record-only ``tp_model_init``) and
-``inputs`` (the first forward's check that a group was given one batch). The
+``inputs`` (the first forward's check that a group was given one batch) and ``zero3``
+(stage 3 over the slices: the order and what it refuses). The
 mesh and the two tensor-parallel collectives are in
 ``comm/mesh.py``. docs/tensor-parallel.md says what composes.
 """

@@ -1,7 +1,8 @@
 """A ZeRO stage over the data-parallel group of a tensor-parallel mesh, as the engine and
 checkpoints see it.
 
-The stage itself (stages 0-2, ``stages/zero12.py``) runs unchanged over ``mesh.dp`` on
+The stage itself (stages 0-2, ``stages/zero12.py``, or stage 3, ``stages/zero3/``: Note
+"tensor parallelism then stage 3" in ``zero3.py``) runs unchanged over ``mesh.dp`` on
 parameters that are simply smaller; :class:`TensorParallelStage` adds what spans both
 dimensions: the gradient norm (``norm.py``), checkpoint records with the tensor-parallel
 dimension gathered (``view.py``), full copies for export, and the per-dimension report.
@@ -17,8 +18,10 @@ Note: slice or whole
     gather), a replicated one the whole tensor. That view is
     :meth:`TensorParallelStage.parameter_records` (the stage's own records, no
     collective), and :meth:`TensorParallelStage.split_of` names the slice for messages.
-    A stage that partitions split parameters would give its records in the same
-    terms and nothing in the readers would change.
+    Stage 3, which partitions the slices over the data-parallel group, gives its records
+    in the same terms (``ds_shape`` is the slice's shape), so nothing in the readers
+    changes: its ``safe_get_local_*`` chunk is this data-parallel rank's part of the
+    slice, and ``GatheredParameters`` gathers the slice over the data-parallel group.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from .view import gather_view, scatter_view
 
 
 class TensorParallelStage:
-    """``stage`` (stages 0-2 over ``plan.mesh.dp``) seen over the whole mesh."""
+    """``stage`` (any stage, over ``plan.mesh.dp``) seen over the whole mesh."""
 
     def __init__(self, stage: Any, plan: TensorParallelPlan, module: nn.Module) -> None:
         self.inner = stage
@@ -81,6 +84,9 @@ class TensorParallelStage:
         return views
 
     def frozen_records(self) -> list[ShardRecord]:
+        """None: at stages 0-2 frozen parameters are whole in the module file (this rank's
+        slice of a split one); stage 3 with tensor parallelism refuses frozen parameters
+        (``zero3.py``), so none is partitioned outside the gathered records."""
         return []
 
     def parameter_records(self) -> list[ShardRecord]:
@@ -106,7 +112,9 @@ class TensorParallelStage:
         (masters, and optimizer state when it was loaded), then publish. Collective."""
         views, self._views = self._views, None
         optimizer = self.inner.optimizer
-        shard_rank = getattr(self.inner, "shard_rank", 0)
+        # this rank's place among the stage's shards: its rank in the data-parallel group
+        # (stage 3 names no ``shard_rank``; its records are chunked over ``comm`` alike)
+        shard_rank = self.inner.comm.rank if self.inner.sharded else 0
         for view, live in views or []:
             loaded_state = view.master in optimizer.state
             state = optimizer.state.pop(view.master, None) if loaded_state else None

@@ -124,7 +124,7 @@ def _closed_engine_refuses(rank, world, root):
     calls = {"load_checkpoint": lambda: old.load_checkpoint(root, tag="old"),
              "save_checkpoint": lambda: old.save_checkpoint(root, tag="again"),
              "wait_for_checkpoint": old.wait_for_checkpoint, "get_lr": old.get_lr,
-             "train_batch_size": old.train_batch_size, "zero_grad": old.zero_grad,
+             "step": old.step, "zero_grad": old.zero_grad,
              "load_state_dict": lambda: old.load_state_dict(old.state_dict()),
              "eval": old.eval}
     for name, call in calls.items():
@@ -133,6 +133,10 @@ def _closed_engine_refuses(rank, world, root):
             refused[name] = None
         except StateError as exc:
             refused[name] = str(exc)
+    # reads of its config and of its last step's numbers stay allowed: they touch nothing
+    refused["reads"] = (old.train_batch_size() == new.train_batch_size(),
+                        old.zero_optimization_stage(),
+                        old.get_global_grad_norm() is not None)
     old.destroy()   # still allowed: does nothing
     unchanged = R.max_diff(before, _full(model))
     _train(new, rank, 4)
@@ -143,6 +147,7 @@ def _closed_engine_refuses(rank, world, root):
 def test_a_closed_engine_refuses_every_public_method_by_name(worlds, tmp_path):
     for refused, unchanged in worlds.run(2, _closed_engine_refuses, str(tmp_path)):
         assert unchanged == 0.0, unchanged
+        assert refused.pop("reads") == (True, 2, True)
         for name, message in refused.items():
             called = "train()" if name == "eval" else f"{name}()"   # eval() is train(False)
             assert message is not None and message.startswith(f"{called} on a closed "

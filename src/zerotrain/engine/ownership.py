@@ -17,7 +17,11 @@ Note: a closed engine refuses
     accessor reading a released stage) would act on someone else's training. Every public
     method of the engine's classes, and ``nn.Module``'s that change the module, therefore
     starts with one check (:func:`refuse_when_closed`) and raises StateError naming the
-    call; ``close()`` and ``destroy()`` stay allowed (a second call does nothing).
+    call; ``close()`` and ``destroy()`` stay allowed (a second call does nothing), and so do
+    the readers of the engine's own config and of the numbers its last step recorded
+    (``train_batch_size()``, ``zero_optimization_stage()``, ``get_global_grad_norm()``...,
+    :data:`READS_AFTER_CLOSE`): they touch no model, stage or collective, and a script that
+    logs them after its own ``destroy()`` is a valid program.
 """
 from __future__ import annotations
 
@@ -74,7 +78,16 @@ def open_stage_of(module: nn.Module) -> Optional[tuple[str, Stage]]:
 _MODULE_WRITES = ("load_state_dict", "apply", "to", "cuda", "cpu", "half", "float", "double",
                   "bfloat16", "type", "requires_grad_", "share_memory", "register_module",
                   "register_parameter", "register_buffer", "add_module")
-_ALWAYS = ("close", "destroy")
+# reads of the engine's config and of what its last step recorded (engine/api.py)
+READS_AFTER_CLOSE = frozenset((
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "get_batch_info", "zero_optimization", "zero_optimization_stage",
+    "zero_optimization_partition_gradients", "zero_optimization_partition_weights",
+    "zero_offload_optimizer", "zero_offload_param", "zero_cpu_offload",
+    "zero_force_ds_cpu_optimizer", "zero_use_cpu_optimizer", "gradient_clipping",
+    "fp16_enabled", "bfloat16_enabled", "dynamic_loss_scale", "steps_per_print",
+    "wall_clock_breakdown", "was_step_applied", "get_global_grad_norm"))
+_ALWAYS = frozenset(("close", "destroy")) | READS_AFTER_CLOSE
 
 
 def refuse_when_closed(cls: type) -> type:

@@ -60,7 +60,8 @@ def test_predicted_peak_matches_measured_peak_on_two_ranks(worlds):
     assert all(row[4] == row[5] for row in rows), "\n".join(map(str, rows))
 
 
-TP_CASES = [("llama-tiny", 1), ("llama-tiny", 2), ("gpt2-tiny", 2)]
+TP_CASES = [("llama-tiny", 1), ("llama-tiny", 2), ("gpt2-tiny", 2), ("llama-tiny", 3),
+            ("gpt2-tiny", 3)]
 
 
 def _tp_spec(family, stage):

@@ -3,6 +3,7 @@ the pass-through of ``launch`` and ``consolidate``."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 import types
@@ -227,8 +228,6 @@ def _llama_config(tmp_path, **fields):
     (["--params", "7B", "--tp", "2000000"], "--tp"),
     (["MODEL", "--gpus", "4", "--tp", "4"],
      "--tp: tensor-parallel size 4 does not divide the model's num_key_value_heads (2)"),
-    (["MODEL", "--gpus", "4", "--tp", "2", "--stage", "3", "--micro-batch", "1",
-      "--seq-len", "8"], "--tp: 2 with --stage 3"),
 ])
 def test_estimate_tensor_parallel_errors_are_one_line_naming_the_option(tmp_path, argv, words,
                                                                          capsys):
@@ -254,5 +253,49 @@ def test_estimate_traces_a_tensor_parallel_step(tmp_path, capsys):
                  "--micro-batch", "2", "--seq-len", "16", "--dtype", "fp32",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["tensor_parallel_size"], out["stage"], out["world_size"]) == (2, 2, 4)
+    assert (out["tensor_parallel_size"], out["stage"], out["world_size"]) == (2, 3, 4)
     assert out["peak_bytes_per_rank"] > 0
+
+
+def test_estimate_fit_with_tensor_parallelism_picks_stage_3_where_only_it_fits(tmp_path,
+                                                                             capsys):
+    from zerotrain.planner import StepSpec, plan_peak
+
+    model = _llama_config(tmp_path)
+    spec = StepSpec(model, micro_batch=1, seq_len=16, gpus=4, dtype="fp32", tp=2)
+    budget = plan_peak(replace(spec, stage=3)).device_bytes
+    assert plan_peak(replace(spec, stage=2)).device_bytes > budget   # stage 2 does not fit
+    assert main(["estimate", "--model", model, "--gpus", "4", "--tp", "2", "--micro-batch",
+                 "1", "--seq-len", "16", "--dtype", "fp32", "--fit", f"{budget}B",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["stage"], out["offload"], out["tensor_parallel_size"]) == (3, "none", 2)
+    assert out["activation_checkpointing"] is False
+
+
+def test_estimate_traces_stage_3_with_tensor_parallelism(tmp_path, capsys):
+    """Stage 3 partitions each rank's slices over its data-parallel group: the traced peak
+    of T=2 x D=2 lies below the untouched model's on the same 4 GPUs."""
+    peaks = {}
+    for tp in (1, 2):
+        assert main(["estimate", "--model", _llama_config(tmp_path), "--gpus", "4",
+                     "--tp", str(tp), "--stage", "3", "--micro-batch", "2", "--seq-len", "16",
+                     "--dtype", "fp32", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["tensor_parallel_size"], out["stage"], out["world_size"]) == (tp, 3, 4)
+        peaks[tp] = out["peak_bytes_per_rank"]
+    assert 0 < peaks[2] < peaks[1]
+
+
+def test_a_fake_world_leaves_no_subgroup_of_its_own_behind():
+    """A later fake world may reuse the id() of this one's default group, the key of the
+    subgroup cache: a group left cached would be one torch has destroyed."""
+    from zerotrain.comm import Communicator
+    from zerotrain.comm.communicator import _SUBGROUPS
+    from zerotrain.planner.fake_world import fake_world
+
+    before = dict(_SUBGROUPS)
+    with fake_world(0, 4, "gloo"):
+        Communicator().subgroup([[0, 2], [1, 3]])
+        assert len(_SUBGROUPS) == len(before) + 1
+    assert _SUBGROUPS == before

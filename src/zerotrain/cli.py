@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 from .launch import launch
@@ -256,11 +255,6 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         shape = _model_shape(parser, args.model)
         _check_seq_len(parser, args.seq_len, shape)
     if args.tp > 1:
-        if args.stage == 3:
-            parser.error(f"argument --tp: {args.tp} with --stage 3: ZeRO stage 3 with tensor "
-                         "parallelism is refused at initialize today, so its step cannot be "
-                         "traced; trace stages 0-2, or drop the traced options for the "
-                         "formula's estimate of stage 3")
         _tp_split(parser, args)
     from .planner import PlanError, StepSpec, ds_config_for, fit, plan_peak
 
@@ -269,8 +263,6 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     args.stage, offload=args.offload or "none", dtype=args.dtype,
                     activation_checkpointing=args.activation_checkpointing,
                     backend=args.backend, tp=args.tp)
-    if args.tp > 1 and args.stage is None:
-        spec = replace(spec, stage=2)   # stage 3 with tensor parallelism is not traced
     try:
         if not args.fit:
             result = plan_peak(spec)

@@ -10,6 +10,7 @@ import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from zerotrain.planner import StepSpec, plan_peak
 
@@ -60,7 +61,8 @@ def test_predicted_peak_matches_measured_peak_on_two_ranks(worlds):
     assert all(row[4] == row[5] for row in rows), "\n".join(map(str, rows))
 
 
-TP_CASES = [("llama-tiny", 1), ("llama-tiny", 2), ("gpt2-tiny", 2)]
+TP_CASES = [("llama-tiny", 1), ("llama-tiny", 2), ("gpt2-tiny", 2), ("llama-tiny", 3),
+            ("gpt2-tiny", 3)]
 
 
 def _tp_spec(family, stage):
@@ -104,3 +106,38 @@ def test_fit_returns_none_when_nothing_fits():
     from zerotrain.planner import fit
 
     assert fit(_spec("gpt2-tiny", 3, False), 1000) is None
+
+
+class _LossOf(torch.nn.Module):
+    """A causal LM called as ``predict_engine_peak`` calls a model: positional ids in,
+    the loss out."""
+
+    def __init__(self, family):
+        super().__init__()
+        from zerotrain.planner import build_model
+
+        self.lm = build_model(_tp_spec(family, 3))
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+def test_a_running_engines_prediction_traces_stage_3_with_tensor_parallelism():
+    """``predict_engine_peak``'s traced step (``_trace_built``, here in this process) with a
+    config holding stage 3 and AutoTP: the same peak as the planner's; what stage 3 does not
+    do with tensor parallelism is refused by its key."""
+    import functools
+
+    from zerotrain.errors import ConfigError
+    from zerotrain.planner import ds_config_for
+    from zerotrain.planner.live import _trace_built
+
+    spec = _tp_spec("llama-tiny", 3)
+    config = ds_config_for(spec)
+    build = functools.partial(_LossOf, "llama-tiny")
+    shapes = [((2, 32), torch.int64)]
+    assert _trace_built(build, config, 4, shapes, "gloo") == plan_peak(spec).peak_bytes
+    hpz = {**config, "zero_optimization": {**config["zero_optimization"],
+                                           "zero_hpz_partition_size": 2}}
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
+        _trace_built(build, hpz, 4, shapes, "gloo")

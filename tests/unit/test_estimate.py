@@ -458,10 +458,16 @@ def test_tensor_parallel_divides_activations_inside_split_layers():
                                     + 4 * s * b * 100)
 
 
-def test_tensor_parallel_report_never_recommends_stage_3_and_writes_the_size():
+def test_tensor_parallel_report_recommends_stage_3_where_only_it_fits_and_writes_the_size():
     report = estimate(EstimateRequest(SEVEN_B, gpus_per_node=8, tp=2, gpu_memory=40 * GB))
     assert report.recommendation.placement.stage == 2   # 21 GB of 40: 80% fits
     assert report.config["tensor_parallel"] == {"autotp_size": 2}
     text = " ".join(report.render().split())
-    assert "Tensor parallel T = 2" in text and "estimate for a configuration being" in text
+    assert "Tensor parallel T = 2" in text and "being built" not in text
+    load_config(report.config, world_size=8)
+    # Ψ_T = 3.5B over D = 4: stage 2 needs 21 GB (over 80% of 24), stage 3 15.75 GB
+    report = estimate(EstimateRequest(SEVEN_B, gpus_per_node=8, tp=2, gpu_memory=24 * GB))
+    assert report.recommendation.placement == Placement(3)
+    assert report.config["zero_optimization"]["stage"] == 3
+    assert report.config["tensor_parallel"] == {"autotp_size": 2}
     load_config(report.config, world_size=8)

@@ -1,5 +1,7 @@
 """Tensor parallelism without a process group: the split arithmetic, the AutoTP rules,
-the refusals (uneven heads, stage 3, sequence and pipeline parallelism) and the layers."""
+the refusals (uneven heads, what stage 3 does not do with it, sequence and pipeline
+parallelism) and the layers."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -108,12 +110,27 @@ def test_batch_triangle_counts_every_rank_as_deepspeed_does():
                      "gradient_accumulation_steps": 3, **tp}, world_size=4)
 
 
-def test_stage3_with_tensor_parallelism_is_refused_by_name():
+@pytest.mark.parametrize("zero, key", [
+    ({"zero_hpz_partition_size": 2}, "zero_optimization.zero_hpz_partition_size"),
+    ({"mics_shard_size": 1}, "zero_optimization.mics_shard_size"),
+    ({"zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights"),
+    ({"zero_quantized_gradients": True}, "zero_optimization.zero_quantized_gradients"),
+    (None, "'model.embed_tokens.weight' is frozen"),
+])
+def test_stage3_with_tensor_parallelism_refuses_what_it_does_not_do_by_name(zero, key):
+    """Before any collective (``comm`` is None here): every rank refuses alike."""
     from zerotrain.initialize import _split_tensor_parallel
-    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3},
-                       "tensor_parallel": {"autotp_size": 2}}, world_size=2)
-    with pytest.raises(ConfigError, match="stage 3"):
-        _split_tensor_parallel(_llama(), cfg, None, None, None)
+    from zerotrain.tp.zero3 import check_stage3
+    cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3, **(zero or {})},
+                       "tensor_parallel": {"autotp_size": 2}}, world_size=4)
+    model = _llama()
+    if zero is None:
+        model.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        _split_tensor_parallel(model, cfg, None, None, None)
+    plain = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3},
+                         "tensor_parallel": {"autotp_size": 2}}, world_size=4)
+    check_stage3(plain.zero_optimization, _llama(), 2)   # stage 3 itself is accepted
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -81,9 +81,7 @@ def estimate(request: EstimateRequest) -> EstimateReport:
         budget = Budget(r.gpu_memory, r.cpu_memory,
                         activations[0] if activations else None,
                         activations[1] if activations else None, live)
-        # stage 3 with tensor parallelism is refused at initialize: never recommended
-        runnable = [row for row in rows if r.tp == 1 or row.placement.stage < 3]
-        rec = recommend(runnable, budget, total_params=r.total_params, world=r.world,
+        rec = recommend(rows, budget, total_params=r.total_params, world=r.world,
                         dtype=r.dtype, tp=r.tp, split_params=r.split_params)
         if rec.placement is not None:
             config = ds_config(rec.placement, dtype=r.dtype, optimizer=r.optimizer,
@@ -174,10 +172,10 @@ def _notes(rep: EstimateReport) -> list[str]:
     if r.tp > 1:
         notes.append(f"Tensor parallel T = {r.tp} (docs/tensor-parallel.md): each row holds "
                      "with Ψ -> Ψ_T and N -> D; activations inside the split layers are "
-                     "divided by T. The ZeRO-3 rows are an estimate for a configuration being "
-                     "built (parameters, gradients and optimizer state / (T·D) for split "
-                     "parts, / D for replicated ones): initialize refuses stage 3 with "
-                     "tensor parallelism today, and no ZeRO-3 row is recommended.")
+                     "divided by T. At ZeRO-3 the parameters, gradients and optimizer "
+                     "state are / (T·D) for split parts and / D for replicated ones; "
+                     "hpZ, MiCS, quantized weights or gradients and frozen parameters are "
+                     "refused with tensor parallelism at stage 3.")
     if r.dtype != "fp32":
         extra_full = 2 * r.per_rank_params
         notes.append(

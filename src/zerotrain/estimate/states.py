@@ -48,8 +48,8 @@ Note: tensor parallelism
     rank holds Ψ_T = Ψ_s/T + Ψ_r parameter elements, Ψ_s in split layers and Ψ_r replicated
     (embeddings, norms, ``lm_head``), and ZeRO shards over the D = N/T data-parallel ranks.
     Every row then holds with Ψ -> Ψ_T and N -> D. At stage 3 that is Ψ_s/(T·D) + Ψ_r/D
-    for the sharded states: an estimate, stage 3 with tensor parallelism being refused at
-    ``initialize`` today. Without a model, Ψ_r is taken as 0 (Ψ_T = Ψ/T).
+    for the sharded states (stage 3 partitions each rank's slices over its D data-parallel
+    ranks, ``tp/zero3.py``). Without a model, Ψ_r is taken as 0 (Ψ_T = Ψ/T).
 
 Activations, communication buckets, ZeRO-3's gathered live layers and the allocator's
 fragmentation all come on top of these numbers.

@@ -133,6 +133,11 @@ def fake_world(rank: int, world: int, backend: str = "nccl") -> Iterator[Any]:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode
     finally:
+        # the subgroups made from this world die with it; a later world may reuse its id()
+        # (the cache's key), and would then be handed a group torch no longer knows
+        dead = id(dist.group.WORLD)
+        for key in [k for k in communicator._SUBGROUPS if k[0] == dead]:
+            del communicator._SUBGROUPS[key]
         dist.destroy_process_group()
         torch.nn.Module._apply = saved_apply
         communicator._reduce_scatter = saved_scatter

@@ -37,7 +37,7 @@ class StepSpec:
     activation_checkpointing: bool = False
     gradient_accumulation: int = 1
     backend: str = "nccl"          # nccl | gloo (Note: the backend's own buffers)
-    tp: int = 1                    # tensor_parallel.autotp_size (stages 0-2)
+    tp: int = 1                    # tensor_parallel.autotp_size
 
     @property
     def world(self) -> int:
@@ -151,13 +151,8 @@ def ds_config_for(spec: StepSpec) -> dict:
 
 def check_tensor_parallel(spec: StepSpec) -> None:
     """ValueError naming the option when ``spec.tp`` cannot be traced: a size that does not
-    divide the world, or stage 3, which ``initialize`` refuses with tensor parallelism
-    today (the formula of ``zerotrain estimate`` without a traced option estimates it)."""
+    divide the world. Stage 3 traces as stages 0-2 do; what ``initialize`` refuses with
+    tensor parallelism at stage 3 (``tp/zero3.py``) the planner's configs never set."""
     from ..estimate.tensor_parallel import check_tp_size
 
     check_tp_size(spec.tp, spec.world)
-    if spec.tp > 1 and spec.stage == 3:
-        raise ValueError(f"--tp {spec.tp} with --stage 3: ZeRO stage 3 with tensor "
-                         "parallelism is refused at initialize today, so its step cannot be "
-                         "traced; trace stages 0-2, or drop the traced options for the "
-                         "formula's estimate of stage 3")

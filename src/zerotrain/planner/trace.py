@@ -133,7 +133,7 @@ def candidates(base: StepSpec, global_micro: int) -> Iterator[StepSpec]:
     for offload in ("none", "cpu"):
         for ac in (False, True):
             for b in batches:
-                for stage in (0, 1, 2, 3) if base.tp == 1 else (0, 1, 2):
+                for stage in (0, 1, 2, 3):
                     yield replace(base, stage=stage, offload=offload,
                                   activation_checkpointing=ac, micro_batch=b,
                                   gradient_accumulation=global_micro // b)
@@ -144,7 +144,7 @@ def fit(base: StepSpec, device_budget: int, host_budget: Optional[int] = None,
     """The first configuration of :func:`candidates` whose predicted peak fits ``device_budget``
     bytes per rank (and ``host_budget`` per node when given); None when none does."""
     global_micro = base.micro_batch * base.gradient_accumulation
-    smallest = replace(base, stage=3 if base.tp == 1 else 2, offload="cpu",
+    smallest = replace(base, stage=3, offload="cpu",
                        activation_checkpointing=True, micro_batch=1,
                        gradient_accumulation=global_micro)
     if not _fits(plan_peak(smallest), device_budget, host_budget):

@@ -82,7 +82,10 @@ def _public(name: str) -> Callable:
 
 # Process groups are costly to create and never freed by torch before shutdown: each
 # partition gets its group once per process (keyed by the default group it was made from).
-_SUBGROUPS: dict[tuple, dist.ProcessGroup] = {}
+# The key holds the default group's id(), which a later default group may reuse once the
+# first is destroyed; the entry therefore keeps that group itself, and a hit made from
+# another default group is a miss (a subgroup of a destroyed world is dead).
+_SUBGROUPS: dict[tuple, tuple[Any, dist.ProcessGroup]] = {}
 
 
 class Communicator:
@@ -142,11 +145,11 @@ class Communicator:
         order); created once per process and reused after."""
         key = (id(dist.group.WORLD), tuple(tuple(ranks) for ranks in partition))
         group_of(key[1], dist.get_rank())   # raises if the partition misses this rank
-        group = _SUBGROUPS.get(key)
-        if group is None:
+        world, group = _SUBGROUPS.get(key, (None, None))
+        if group is None or world is not dist.group.WORLD:
             group, _ = dist.new_subgroups_by_enumeration([list(r) for r in key[1]],
                                                          timeout=group_timeout())
-            _SUBGROUPS[key] = group
+            _SUBGROUPS[key] = (dist.group.WORLD, group)
         return Communicator(group, debug=self.debug, topology=self.topology,
                             ledger=self.ledger, unread=self._unread)
 

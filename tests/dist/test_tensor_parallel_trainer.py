@@ -81,7 +81,9 @@ def _switch(on):
             accelerate_deepspeed.DeepSpeedSchedulerWrapper)
     import transformers.integrations.deepspeed as hf_deepspeed
     hf_deepspeed.unset_hf_deepspeed_config()
-    importlib.reload(hf_deepspeed)   # its config class's base, as deepspeed is now
+    if not on:   # install() itself gives the config class DeepSpeed's base (deepspeed_gates)
+        from zerotrain.integrations.deepspeed_gates import reload_hf_deepspeed
+        reload_hf_deepspeed()   # its config class's base, as deepspeed is now
 
 
 def _trainer_with_tp(rank, world, root, stage):

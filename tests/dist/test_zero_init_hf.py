@@ -120,7 +120,7 @@ def _load_like_plain(rank, world, tmp):
     answered by zerotrain): ``from_pretrained`` leaves torch's random stream where a plain
     load leaves it and initialises a key missing from the checkpoint as a plain load does;
     ``from_config`` still equals a plain construction, stream included."""
-    import importlib
+    from zerotrain.integrations.deepspeed_gates import reload_hf_deepspeed
 
     import transformers
     import transformers.integrations.deepspeed as hf_deepspeed
@@ -145,8 +145,7 @@ def _load_like_plain(rank, world, tmp):
         return model, torch.get_rng_state()
 
     plain = {how: build(how) for how in builds}
-    as_deepspeed.install()
-    importlib.reload(hf_deepspeed)   # its config class's base, as deepspeed is now there
+    as_deepspeed.install()   # gives transformers' config class DeepSpeed's base (deepspeed_gates)
     hf_config = hf_deepspeed.HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
                                                 "zero_optimization": {"stage": 3}})
     out = {}
@@ -163,7 +162,7 @@ def _load_like_plain(rank, world, tmp):
         del hf_config
         hf_deepspeed.unset_hf_deepspeed_config()
         as_deepspeed.uninstall()
-        importlib.reload(hf_deepspeed)
+        reload_hf_deepspeed()   # the base without DeepSpeed again, every name kept in line
     return out
 
 

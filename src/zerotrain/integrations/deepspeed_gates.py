@@ -51,9 +51,39 @@ def refresh() -> list[str]:
                 touched.append(name)
     hf = sys.modules.get(_HF_DEEPSPEED)
     if hf is not None and not _initializing(hf) and getattr(hf, "DeepSpeedConfig", None) is object:
-        importlib.reload(hf)
+        reload_hf_deepspeed()
         touched.append(_HF_DEEPSPEED)
     return touched
+
+
+def reload_hf_deepspeed() -> None:
+    """Re-import ``transformers.integrations.deepspeed`` (its config class takes its base
+    from whether DeepSpeed is importable now) and point the names other modules hold on its
+    old classes at the new ones."""
+    hf = sys.modules[_HF_DEEPSPEED]
+    before = _own_classes(hf)
+    importlib.reload(hf)
+    _rebind(before, _own_classes(hf))
+
+
+def _own_classes(module) -> dict[str, type]:
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, type) and value.__module__ == module.__name__}
+
+
+def _rebind(before: dict[str, type], after: dict[str, type]) -> None:
+    """Point every name that transformers and Accelerate hold on a class of the reloaded
+    module (``transformers.integrations.HfDeepSpeedConfig``, imported before the reload) at
+    the new class: an object made from the old one would not pickle (``torch.save`` of the
+    Trainer's arguments: "not the same object as ...HfDeepSpeedConfig")."""
+    renamed = {id(old): after[name] for name, old in before.items() if name in after}
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith(("transformers", "accelerate")) or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            new = renamed.get(id(value))
+            if new is not None and value is before.get(new.__name__):
+                setattr(module, attr, new)
 
 
 def _initializing(module) -> bool:

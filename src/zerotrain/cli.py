@@ -297,7 +297,8 @@ def _tp_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Opti
     that ``--tp`` divides its head counts; None without a model (all of Ψ counted split)."""
     if not args.model:
         return None
-    from .estimate.tensor_parallel import check_tp_size, split_of_model_spec
+    from .estimate.tensor_parallel import check_tp_size
+    from .planner.tp_split import split_of_model_spec
 
     try:
         _, split, heads = split_of_model_spec(args.model)

@@ -55,8 +55,9 @@ from .core.precision import PrecisionPolicy
 from .utils import register_engine
 from .stages.factory import adopt, build_stage, stage_class
 from .tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
-from .tp.zero3 import check_stage3, whole_before_cut
+from .tp.zero3 import check_stage3
 from .stages.zero3.partition import is_partitioned
+from .stages.zero3.zero_init import unpartition
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,11 @@ def _split_tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, comm: Communi
         return None
     if stage_class(cfg.zero_optimization.stage).partitions_parameters:
         check_stage3(cfg.zero_optimization, model, size)   # tp/zero3.py: cut, then stage 3
-        whole_before_cut(model, comm)   # a zero.Init model: whole, then cut
+        if any(is_partitioned(p) for p in model.parameters()):
+            # a zero.Init model (partitioned over the world) is made whole, then cut; stage
+            # 3 then partitions the slices over the data-parallel group (each rank holds the
+            # whole model in between, as at stages 0-2 under zero.Init)
+            unpartition(model.parameters(), comm)
     before = dict(model.named_parameters())
     plan = parallelize(model, build_mesh(comm, size), cfg.tensor_parallel)
     after = dict(model.named_parameters())

@@ -426,7 +426,7 @@ def test_tensor_parallel_size_the_gpus_do_not_divide_is_refused(tp, gpus, words)
 def test_tensor_parallel_split_follows_the_autotp_rules_on_a_meta_model(tmp_path):
     """Ψ_s of a tiny Llama and GPT-2 = the weights (and column biases) of the layers the
     rules split; embeddings, norms and lm_head are replicated."""
-    from zerotrain.estimate.tensor_parallel import split_of_model_spec
+    from zerotrain.planner.tp_split import split_of_model_spec
 
     llama = tmp_path / "llama.json"
     llama.write_text(json.dumps({

@@ -21,7 +21,7 @@ Note: tensor parallelism then stage 3
     (``ds_shape``), so the readers' "slice or whole" view needs no change.
 
     A model built under ``zero.Init`` is partitioned over the world, and the cut needs
-    whole weights: :func:`whole_before_cut` gathers it first, as stages 0-2 do.
+    whole weights: ``initialize`` gathers it first, as stages 0-2 do.
 
     What this module refuses is untested with tensor parallelism, and each is named:
     frozen parameters (stage 3 partitions them outside the records the wrapper
@@ -34,21 +34,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..comm import Communicator
 from ..errors import ConfigError
-from ..stages.zero3.partition import is_partitioned
-from ..stages.zero3.zero_init import unpartition
 
 _KEY = "tensor_parallel.autotp_size"
-
-
-def whole_before_cut(model: nn.Module, comm: Communicator) -> None:
-    """A model built under ``zero.Init`` (partitioned over the world) made whole again, so
-    that the cut takes whole weights; stage 3 then partitions the slices over the
-    data-parallel group. Each rank holds the whole model between the two, as it does at
-    stages 0-2 under ``zero.Init``. Collective over ``comm`` (the world)."""
-    if any(is_partitioned(p) for p in model.parameters()):
-        unpartition(model.parameters(), comm)
 
 
 def check_stage3(zero_config, model: nn.Module, size: int) -> None:

@@ -432,7 +432,7 @@ ALLOWED_OPENS = {
     ("checkpoint/restricted.py", "load_torch"): "torch.load after the pickle pre-scan",
     ("checkpoint/restricted.py", "_Unpickler"): "the restricted unpickler itself",
     ("checkpoint/stfile.py", "write_file"): "writes a new safetensors file",
-    ("checkpoint/stfile.py", "fsync_dir"): "opens a directory to fsync it",
+    ("checkpoint/stfile.py", "fsync_path"): "opens a file or directory to fsync it",
     ("checkpoint/fs.py", "lock"): "creates the save lock file",
     ("checkpoint/fs.py", "write_latest"): "writes a new 'latest' beside the old one",
     ("checkpoint/save.py", "_write_json"): "writes a new JSON file",
@@ -441,7 +441,6 @@ ALLOWED_OPENS = {
     ("checkpoint/writer.py", "mark_failed"): "creates this rank's empty failure mark",
     ("checkpoint/recovery.py", "write_script"): "writes zero_to_fp32.py aside",
     ("checkpoint/deepspeed/module_file.py", "write_module_file"): "fsyncs the file it wrote",
-    ("checkpoint/export_target.py", "_fsync_file"): "fsyncs a file the export wrote",
 }
 _READ_ATTRS = {"open", "read_bytes", "read_text", "fdopen", "from_file", "fromfile", "memmap",
                "mmap", "safe_open", "load_file", "Unpickler"}

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 from . import fs
 from .manifest import CheckpointError
-from .stfile import fsync_dir
+from .stfile import fsync_path
 
 
 def check_apart(source: str, output: str) -> None:
@@ -61,8 +61,8 @@ def fsync_tree(folder: str) -> None:
     """Flush every file under ``folder`` and every directory (torch.save and json do not)."""
     for root, _, files in os.walk(folder):
         for name in files:
-            _fsync_file(os.path.join(root, name))
-        fsync_dir(root)
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
 
 
 @contextmanager
@@ -109,9 +109,9 @@ def replacing_file(source: str, output: str) -> Iterator[str]:
         tmp = fs.temp_dir(parent, name, fs.new_nonce())
         with _published(tmp):
             yield tmp
-            _fsync_file(tmp)
+            fsync_path(tmp)
             os.replace(tmp, target)
-            fsync_dir(parent)
+            fsync_path(parent)
 
 
 @contextmanager
@@ -162,14 +162,6 @@ def _published(tmp: str) -> Iterator[None]:
     except BaseException:
         fs.remove_quietly(tmp)
         raise
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tidy(parent: str, name: str) -> None:

@@ -47,7 +47,7 @@ from typing import Callable, Optional
 from .manifest import (LATEST_NAME, MANIFEST_MAX_BYTES, MANIFEST_NAME, CheckpointError,
                        check_tag, read_regular_file)
 from .. import untrusted
-from .stfile import fsync_dir
+from .stfile import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def prepare(save_dir: str, tag: str, nonce: str) -> str:
 def publish(save_dir: str, tmp: str, tag: str, nonce: str, *, save_latest: bool) -> str:
     """Rank 0, after every file is written and fsynced: move the tag into place, then point
     ``latest`` at it (Note: atomic publication). Returns the tag's path."""
-    fsync_dir(tmp)
+    fsync_path(tmp)
     final = os.path.join(save_dir, tag)
     old = None
     if os.path.exists(final):
@@ -268,7 +268,7 @@ def publish(save_dir: str, tmp: str, tag: str, nonce: str, *, save_latest: bool)
         os.rename(final, old)
         crash_point("swap")
     os.rename(tmp, final)
-    fsync_dir(save_dir)
+    fsync_path(save_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     crash_point("latest")
@@ -289,7 +289,7 @@ def write_latest(save_dir: str, tag: str, nonce: str) -> None:
         remove_quietly(temp)
         raise CheckpointError(f"cannot write {temp}: {exc.strerror or exc}") from exc
     os.replace(temp, os.path.join(save_dir, LATEST_NAME))
-    fsync_dir(save_dir)
+    fsync_path(save_dir)
 
 
 def remove_quietly(path: str) -> None:

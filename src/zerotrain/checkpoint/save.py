@@ -49,7 +49,7 @@ from .deepspeed import module_file
 from .manifest import (FORMAT, MANIFEST_NAME, MODULE_FILE, VERSION, CheckpointError,
                        check_tag, to_json)
 from .state import COUNTERS, CheckpointReport, TrainingState, shard_rank, writes_record
-from .stfile import TensorSpec, dtype_name, fsync_dir, specs_of, write_file
+from .stfile import TensorSpec, dtype_name, fsync_path, specs_of, write_file
 from .writer import BackgroundWriter
 from ..comm import group_timeout
 
@@ -347,7 +347,7 @@ def _write_rank_file(tmp: str, rank: int, items: list[tuple[str, torch.Tensor]],
     meta = {"format": FORMAT, "rank": str(rank), "rng": rng_meta, "save": save_id}
     size = write_file(os.path.join(tmp, rank_file(rank)), specs_of(items),
                       lambda spec: by_key[spec.key].detach(), metadata=meta)
-    fsync_dir(tmp)   # this rank's directory entry, also where rank 0 is on another node
+    fsync_path(tmp)   # this rank's directory entry, also where rank 0 is on another node
     return size
 
 

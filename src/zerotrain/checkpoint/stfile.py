@@ -102,8 +102,8 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries (new files, renames) durable."""
+def fsync_path(path: str) -> None:
+    """Make a file's contents, or a directory's entries (new files, renames), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

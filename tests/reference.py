@@ -180,3 +180,24 @@ class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise RuntimeError("injected failure in backward")
+
+
+def tp_model(family: str) -> torch.nn.Module:
+    """The tensor-parallel tests' tiny Hugging Face model (``"llama"`` or ``"gpt2"``): 4
+    attention heads (2 key-value heads for Llama) so T = 2 splits them, no dropout."""
+    import transformers
+    torch.manual_seed(0)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_embd=16, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def tp_batch(step: int, dp_rank: int, micro: int) -> torch.Tensor:
+    """Token ids of one data-parallel rank's micro-batch (``micro`` rows of 8) at ``step``:
+    the same on every rank of a tensor-parallel group."""
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randint(0, 64, (micro, 8), generator=g)

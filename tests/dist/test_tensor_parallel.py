@@ -5,6 +5,8 @@ reshard across T and the data-parallel size and export whole weights."""
 import pytest
 import torch
 
+import reference as R
+
 pytestmark = pytest.mark.slow
 
 STEPS = 3
@@ -14,20 +16,11 @@ CLIP = 0.05   # below the gradients' norm, so the clipping (and so the norm) mat
 
 
 def _model(family):
-    import transformers
-    torch.manual_seed(0)
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=64, n_embd=16, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0))
+    return R.tp_model(family)
 
 
 def _batch(step, dp_rank):
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randint(0, 64, (MICRO, 8), generator=g)
+    return R.tp_batch(step, dp_rank, MICRO)
 
 
 def _config(stage, tp, precision="fp32", **extra):

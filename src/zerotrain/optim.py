@@ -65,6 +65,9 @@ def build_optimizer(type_name: str, params: dict, groups: Sequence[dict],
             kwargs.update(fast)
         cls = torch.optim.AdamW if (type_name == "AdamW" or adam_w_mode) else torch.optim.Adam
         return cls(list(groups), **kwargs)
+    if type_name == "Muon":   # groups split into halves by muon/groups.py
+        from .muon import ShardedMuon
+        return ShardedMuon(list(groups), adam_w_mode=params.get("adam_w_mode", True))
     if type_name == "SGD":
         if "lr" not in params:
             raise ConfigError("optimizer.params.lr", "SGD needs a learning rate")
@@ -87,12 +90,17 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Rprop)
 
 
+# Client optimizers stepped whole-matrix by muon/sharded.py (Note "whole matrices under ZeRO").
+MATRIX_OPTIMIZERS: tuple[type, ...] = tuple(
+    c for c in (getattr(torch.optim, "Muon", None),) if c is not None)
+
+
 def check_client_optimizer(optimizer: Any, *, allow_untested: bool) -> None:
     """Refuse a client optimizer that is not known to be elementwise (Adafactor's factored
     moments, LAMB's per-tensor trust ratio, Adagrad's state made at construction): on flat
     shards it would train differently without a word. ``zero_allow_untested_optimizer``
     (DeepSpeed's key) steps it anyway."""
-    if allow_untested or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+    if allow_untested or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + MATRIX_OPTIMIZERS):
         return
     cls = type(optimizer)
     raise ConfigError(

@@ -71,6 +71,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self._matrices: dict[int, list[Matrix]] = {}
         self._worlds: dict[int, int] = {}
         self._comm: Any = None
+        self.client: Optional[torch.optim.Optimizer] = None
 
     @classmethod
     def around(cls, client: torch.optim.Optimizer) -> "ShardedMuon":
@@ -80,6 +81,7 @@ class ShardedMuon(torch.optim.Optimizer):
         out.param_groups = client.param_groups
         out.state = client.state
         out.defaults = client.defaults
+        out.client = client   # what engine.optimizer_name() names
         for group in out.param_groups:
             group["use_muon"] = True
         return out

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .errors import ConfigError, StateError
+from .muon.sharded import MATRIX_OPTIMIZERS, ShardedMuon
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "fused"}
 
@@ -66,7 +67,6 @@ def build_optimizer(type_name: str, params: dict, groups: Sequence[dict],
         cls = torch.optim.AdamW if (type_name == "AdamW" or adam_w_mode) else torch.optim.Adam
         return cls(list(groups), **kwargs)
     if type_name == "Muon":   # groups split into halves by muon/groups.py
-        from .muon import ShardedMuon
         return ShardedMuon(list(groups), adam_w_mode=params.get("adam_w_mode", True))
     if type_name == "SGD":
         if "lr" not in params:
@@ -88,11 +88,6 @@ def _fast_path(device: torch.device) -> dict:
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
     torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Rprop)
-
-
-# Client optimizers stepped whole-matrix by muon/sharded.py (Note "whole matrices under ZeRO").
-MATRIX_OPTIMIZERS: tuple[type, ...] = tuple(
-    c for c in (getattr(torch.optim, "Muon", None),) if c is not None)
 
 
 def check_client_optimizer(optimizer: Any, *, allow_untested: bool) -> None:

@@ -16,8 +16,9 @@ from ..errors import ConfigError
 from ..moe.utils import configure_moe_param_groups, has_moe_layers
 from ..ops.adam import DeepSpeedCPUAdam
 from ..muon import ShardedMuon, muon_param_groups
-from ..optim import (MATRIX_OPTIMIZERS, InferenceOnlyOptimizer, build_optimizer,
-                     param_groups_from, retarget_optimizer)
+from ..muon.sharded import MATRIX_OPTIMIZERS
+from ..optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
+                     retarget_optimizer)
 from ..schedules import build_scheduler
 
 

@@ -10,9 +10,8 @@ from typing import Any, Optional
 from torch import nn
 
 from ..errors import ConfigError
-from ..optim import MATRIX_OPTIMIZERS
 from .groups import tag_model
-from .sharded import ShardedMuon
+from .sharded import MATRIX_OPTIMIZERS, ShardedMuon
 
 
 def uses_muon(cfg: Any, client: Optional[Any]) -> bool:

@@ -39,6 +39,9 @@ from .newton_schulz import (NS_METHODS, deepspeed_orthogonalize, torch_adjusted_
                             torch_orthogonalize)
 
 DEEPSPEED, TORCH = "deepspeed", "torch"
+# Client optimizers stepped here whole-matrix (the others are stepped elementwise: optim.py)
+MATRIX_OPTIMIZERS: tuple[type, ...] = tuple(
+    c for c in (getattr(torch.optim, "Muon", None),) if c is not None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,3 +70,20 @@ def test_newton_schulz_matches_torch_muon_orthogonality():
         u = deepspeed_orthogonalize(g, ns_method=method) / (12 / 5) ** 0.5
         s = torch.linalg.svdvals(u.float())
         assert 0.5 < s.min() and s.max() < 1.5, (method, s)
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                              "nvme_path": "/tmp"}}},
+     "offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "dpu": True}}},
+     "offload_optimizer.dpu"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                              "speculative": True}}},
+     "offload_optimizer.speculative")])
+def test_what_muon_cannot_run_with_is_refused_by_name(extra, key):
+    from zerotrain.muon.setup import check_and_tag
+    cfg = load_config(dict({"train_batch_size": 2, "optimizer": {"type": "Muon"}}, **extra),
+                      world_size=1)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check_and_tag(cfg, None, _model())

@@ -1,5 +1,5 @@
 """Muon under ZeRO: ``"optimizer": {"type": "Muon"}`` (DeepSpeed's MuonWithAuxAdam) and a
-client ``torch.optim.Muon`` at stages 1-3 on 2 and 3 gloo ranks against one process, with
+client ``torch.optim.Muon`` at stages 0-3 on 2 and 3 gloo ranks against one process, with
 optimizer offload, a checkpoint saved at 2 ranks and resumed at 3, and, when DeepSpeed is
 importable, against DeepSpeed 0.19.8's own Muon at stage 1."""
 import importlib.util
@@ -14,7 +14,7 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 MUON = {"lr": 1e-2, "muon_lr": 0.02, "weight_decay": 0.01, "momentum": 0.9}
 STEPS = 3
 # (name, stage, extra zero_optimization keys, client torch.optim.Muon)
-CASES = [("s1", 1, {}, False), ("s2", 2, {}, False), ("s3", 3, {}, False),
+CASES = [("s0", 0, {}, False), ("s1", 1, {}, False), ("s2", 2, {}, False), ("s3", 3, {}, False),
          ("s2_offload", 2, {"offload_optimizer": {"device": "cpu"}}, False),
          ("s3_offload", 3, {"offload_optimizer": {"device": "cpu"}}, False),
          ("s2_torch", 2, {}, True)]

@@ -96,7 +96,7 @@ class MuonParams(_Section):
     """Keys allowed in ``optimizer.params`` for Muon (DeepSpeed's ``MuonWithAuxAdam``):
     ``lr``, ``weight_decay`` shared by both halves, ``muon_lr`` / ``adam_lr`` for one;
     ``momentum`` and ``ns_method`` for the Muon half, ``betas`` and ``eps`` for the AdamW
-    half; ``torch_adam`` and ``fp32_optimizer_states`` are accepted without effect."""
+    half; ``torch_adam`` is accepted without effect (the AdamW half is always zerotrain's)."""
 
     lr: Optional[NonNegative] = None
     muon_lr: Optional[NonNegative] = None
@@ -109,7 +109,6 @@ class MuonParams(_Section):
     eps: Optional[NonNegative] = None
     adam_w_mode: Optional[bool] = None
     torch_adam: Optional[bool] = None
-    fp32_optimizer_states: Optional[bool] = None
 
 
 OPTIMIZER_PARAMS: Dict[str, Type[_Section]] = {

@@ -143,6 +143,7 @@ def test_a_running_engines_prediction_traces_stage_3_with_tensor_parallelism():
         _trace_built(build, hpz, 4, shapes, "gloo")
 
 
+@pytest.mark.slow
 def test_the_traced_step_counts_muon_state_momentum_for_matrices_adam_for_the_rest():
     """Muon keeps one fp32 momentum per element of the matrices it steps (use_muon: two or
     more dimensions, no embed / lm_head in the name) and Adam's two moments for the rest:

@@ -262,7 +262,8 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     gpus=args.gpus, nodes=args.nodes, stage=3 if args.stage is None else
                     args.stage, offload=args.offload or "none", dtype=args.dtype,
                     activation_checkpointing=args.activation_checkpointing,
-                    backend=args.backend, tp=args.tp)
+                    backend=args.backend, tp=args.tp,
+                    optimizer="muon" if args.optimizer == "muon" else "adam")
     try:
         if not args.fit:
             result = plan_peak(spec)

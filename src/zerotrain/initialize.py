@@ -50,6 +50,7 @@ from .engine.optimizer_choice import (no_optimizer, optimizer_factory,
 from .engine.ownership import close_stage, open_stage_of
 from .engine.resume import auto_resume
 from .errors import ConfigError
+from .muon import setup as muon_setup
 from .optim import check_client_optimizer
 from .core.precision import PrecisionPolicy
 from .utils import register_engine
@@ -150,7 +151,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         model_parameters = list(model_parameters)   # its split parameters are replaced
     plan = _split_tensor_parallel(model, cfg, comm, optimizer, model_parameters)
     stage_comm = comm if plan is None else plan.mesh.dp   # ZeRO over data parallel only
-    groups = [] if inference else trainable_groups(model, optimizer, model_parameters)
+    muon = None if inference else muon_setup.check_and_tag(cfg, optimizer, model)
+    groups = [] if inference else trainable_groups(model, optimizer, model_parameters, muon)
     names = {id(p): n for n, p in model.named_parameters()}
     stage = build_stage(
         cfg.zero_optimization.stage, module=model,
@@ -158,6 +160,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         comm=stage_comm, policy=policy, zero_config=cfg.zero_optimization,
         make_optimizer=(no_optimizer if inference
                         else optimizer_factory(cfg, optimizer, groups, device)))
+    muon_setup.bind(stage, model)   # Muon's matrices in the shards (muon/sharded.py)
     if plan is not None:
         stage = TensorParallelStage(stage, plan, model)
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .errors import ConfigError, StateError
+from .muon.sharded import MATRIX_OPTIMIZERS, ShardedMuon
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "fused"}
 
@@ -65,6 +66,8 @@ def build_optimizer(type_name: str, params: dict, groups: Sequence[dict],
             kwargs.update(fast)
         cls = torch.optim.AdamW if (type_name == "AdamW" or adam_w_mode) else torch.optim.Adam
         return cls(list(groups), **kwargs)
+    if type_name == "Muon":   # groups split into halves by muon/groups.py
+        return ShardedMuon(list(groups), adam_w_mode=params.get("adam_w_mode", True))
     if type_name == "SGD":
         if "lr" not in params:
             raise ConfigError("optimizer.params.lr", "SGD needs a learning rate")
@@ -92,7 +95,7 @@ def check_client_optimizer(optimizer: Any, *, allow_untested: bool) -> None:
     moments, LAMB's per-tensor trust ratio, Adagrad's state made at construction): on flat
     shards it would train differently without a word. ``zero_allow_untested_optimizer``
     (DeepSpeed's key) steps it anyway."""
-    if allow_untested or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+    if allow_untested or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + MATRIX_OPTIMIZERS):
         return
     cls = type(optimizer)
     raise ConfigError(

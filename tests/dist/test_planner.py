@@ -141,3 +141,22 @@ def test_a_running_engines_prediction_traces_stage_3_with_tensor_parallelism():
                                            "zero_hpz_partition_size": 2}}
     with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
         _trace_built(build, hpz, 4, shapes, "gloo")
+
+
+@pytest.mark.slow
+def test_the_traced_step_counts_muon_state_momentum_for_matrices_adam_for_the_rest():
+    """Muon keeps one fp32 momentum per element of the matrices it steps (use_muon: two or
+    more dimensions, no embed / lm_head in the name) and Adam's two moments for the rest:
+    at stage 2 on 2 ranks the traced optimizer state is (12Ψ - 4Ψm) / 2 bytes in fp32."""
+    from zerotrain.muon import tag_model
+    from zerotrain.planner import build_model
+    spec = replace(_spec("gpt2-tiny", 2, False), optimizer="muon")
+    model = build_model(spec)
+    tag_model(model)
+    psi = sum(p.numel() for p in model.parameters())
+    psi_m = sum(p.numel() for p in model.parameters() if p.use_muon)
+    assert 0 < psi_m < psi
+    muon = plan_peak(spec).breakdown["optimizer_state"]
+    adam = plan_peak(_spec("gpt2-tiny", 2, False)).breakdown["optimizer_state"]
+    assert abs(adam - 12 * psi / 2) <= 64 and abs(muon - (12 * psi - 4 * psi_m) / 2) <= 64, (
+        adam, muon, psi, psi_m)

@@ -471,3 +471,15 @@ def test_tensor_parallel_report_recommends_stage_3_where_only_it_fits_and_writes
     assert report.config["zero_optimization"]["stage"] == 3
     assert report.config["tensor_parallel"] == {"autotp_size": 2}
     load_config(report.config, world_size=8)
+
+
+def test_muon_keeps_one_momentum_and_its_recommended_config_loads():
+    """Muon's formula rows count one fp32 momentum (4 bytes; the traced step counts its
+    AdamW half exactly) and the config it recommends is a Muon config zerotrain accepts."""
+    from zerotrain.estimate import BytesPerParam, EstimateRequest, estimate
+    assert BytesPerParam.of("bf16", "muon") == BytesPerParam(2, 2, 8, 8)
+    assert BytesPerParam.of("fp32", "muon") == BytesPerParam(4, 4, 4, 8)
+    report = estimate(EstimateRequest(total_params=10**9, gpus_per_node=8, optimizer="muon",
+                                      gpu_memory=80 * 10**9))
+    assert "Muon" in report.render()
+    assert load_config(report.config, world_size=8).optimizer.type == "Muon"

@@ -299,6 +299,32 @@ class Communicator:
                           lambda: _public("all_to_all_single")(output, input, group=self.group,
                                                                async_op=async_op))
 
+    def all_to_all_uneven(self, output: torch.Tensor, input: torch.Tensor,
+                          output_splits: Sequence[int], input_splits: Sequence[int], *,
+                          total: int, label: str = "") -> None:
+        """Rank r sends ``input_splits[j]`` elements of ``input`` (in rank order) to rank j
+        and receives ``output_splits[j]`` from rank j into ``output``; every pair of ranks
+        must agree on the sizes they exchange. ``total``: the elements all ranks send
+        together (the same on every rank: the divergence check compares it). Counted as
+        ``all_to_all``, by the input."""
+        if (len(output_splits) != self.world_size or len(input_splits) != self.world_size
+                or sum(output_splits) != output.numel() or sum(input_splits) != input.numel()):
+            raise ValueError(f"all_to_all_uneven needs {self.world_size} splits summing to "
+                             f"the tensors' sizes, got {list(input_splits)} for "
+                             f"{input.numel()} and {list(output_splits)} for {output.numel()}")
+        self.check_devices("all_to_all", label, output, input)
+        self.ledger.record("all_to_all", input, reach=self.reach)
+        if self._unread:
+            self.read_deferred()
+        # the step's trail compares ranks: it notes what every rank agrees on, the total
+        self.ledger.trail.note("all_to_all", total, label)
+        try:
+            _public("all_to_all_single")(output, input, output_split_sizes=list(output_splits),
+                                         input_split_sizes=list(input_splits),
+                                         group=self.group)
+        except Exception as exc:
+            raise _Failure(self, "all_to_all", input, label).error(exc) from exc
+
     def _call(self, op: str, tensor: Optional[torch.Tensor], label: str, async_op: bool,
               launch):
         """Run a collective; name it in any error (Note: named failures), and with ``debug``

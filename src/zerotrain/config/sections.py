@@ -92,15 +92,34 @@ class SGDParams(_Section):
     nesterov: Optional[bool] = None
 
 
+class MuonParams(_Section):
+    """Keys allowed in ``optimizer.params`` for Muon (DeepSpeed's ``MuonWithAuxAdam``):
+    ``lr``, ``weight_decay`` shared by both halves, ``muon_lr`` / ``adam_lr`` for one;
+    ``momentum`` and ``ns_method`` for the Muon half, ``betas`` and ``eps`` for the AdamW
+    half; ``torch_adam`` is accepted without effect (the AdamW half is always zerotrain's)."""
+
+    lr: Optional[NonNegative] = None
+    muon_lr: Optional[NonNegative] = None
+    adam_lr: Optional[NonNegative] = None
+    momentum: Optional[Annotated[float, Field(ge=0, lt=1)]] = None
+    weight_decay: Optional[NonNegative] = None
+    ns_method: Optional[Literal["gram", "standard"]] = None
+    betas: Optional[List[Annotated[float, Field(ge=0, lt=1)]]] = Field(
+        None, min_length=2, max_length=2)
+    eps: Optional[NonNegative] = None
+    adam_w_mode: Optional[bool] = None
+    torch_adam: Optional[bool] = None
+
+
 OPTIMIZER_PARAMS: Dict[str, Type[_Section]] = {
-    "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+    "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams, "Muon": MuonParams}
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 class OptimizerConfig(_Section):
     """``params`` holds only the keys the user set, validated, with ``betas`` as a tuple."""
 
-    type: Literal["Adam", "AdamW", "SGD"]
+    type: Literal["Adam", "AdamW", "SGD", "Muon"]
     params: Dict[str, Any] = Field(default_factory=dict)
 
 

@@ -28,7 +28,7 @@ from .optimizer_views import OptimizerViews
 
 # Config optimizer types DeepSpeed names in lower case (its DEEPSPEED_OPTIMIZERS); others,
 # torch's SGD among them, keep their spelling.
-_LOWER_CASE_NAMES = frozenset({"adam", "adamw"})
+_LOWER_CASE_NAMES = frozenset({"adam", "adamw", "muon"})
 
 
 class DeepSpeedEngineAPI:
@@ -114,14 +114,15 @@ class DeepSpeedEngineAPI:
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_name(self) -> Optional[str]:
-        """The client optimizer's class name, else the config's ``optimizer.type`` (``adam``
-        and ``adamw`` in lower case, as DeepSpeed normalises them); None without one."""
+        """The client optimizer's class name, else the config's ``optimizer.type`` (``adam``,
+        ``adamw`` and ``muon`` in lower case, as DeepSpeed normalises them); None without one."""
         if self.config.optimizer is not None:
             name = self.config.optimizer.type
             return name.lower() if name.lower() in _LOWER_CASE_NAMES else name
         if not self.optimizer.param_groups:   # an engine for forward only
             return None
-        return type(self.stage.optimizer).__name__
+        stepped = self.stage.optimizer
+        return type(getattr(stepped, "client", stepped)).__name__   # torch.optim.Muon: Muon
 
     def get_mom(self) -> list:
         """Per parameter group: ``momentum`` for SGD and RMSprop, else ``betas`` (0.0 where

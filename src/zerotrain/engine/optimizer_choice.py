@@ -15,19 +15,26 @@ from ..config import ZeroTrainConfig
 from ..errors import ConfigError
 from ..moe.utils import configure_moe_param_groups, has_moe_layers
 from ..ops.adam import DeepSpeedCPUAdam
+from ..muon import ShardedMuon, muon_param_groups
+from ..muon.sharded import MATRIX_OPTIMIZERS
 from ..optim import (InferenceOnlyOptimizer, build_optimizer, param_groups_from,
                      retarget_optimizer)
 from ..schedules import build_scheduler
 
 
-def trainable_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
-    """Parameter groups (dicts) of trainable module parameters, in a fixed order."""
+def trainable_groups(model: nn.Module, optimizer, model_parameters,
+                     muon: dict | None = None) -> list[dict]:
+    """Parameter groups (dicts) of trainable module parameters, in a fixed order.
+    ``muon``: the config's Muon ``optimizer.params`` (each group split into halves)."""
     if optimizer is not None:
         groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
     elif model_parameters is not None:
         groups = param_groups_from(model_parameters)
     else:
         groups = [{"params": list(model.parameters())}]
+    if optimizer is None and muon is not None:   # DeepSpeed's halves (muon/groups.py)
+        groups = muon_param_groups(groups, muon,
+                                   {id(p): n for n, p in model.named_parameters()})
     if optimizer is None and has_moe_layers(model)[0]:   # DeepSpeed's expert groups
         plain = len(groups) == 1 and groups[0].keys() == {"params"}
         groups = configure_moe_param_groups(groups[0]["params"] if plain else groups)
@@ -67,6 +74,8 @@ def optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device):
     def make(shards: list[list[torch.Tensor]], *, host_step: bool) -> torch.optim.Optimizer:
         """One list of flat shard tensors per parameter group; ``host_step``: the stage's
         storage steps them on the host (the factory asks it, ``Storage.steps_on_host``)."""
+        if client is not None and isinstance(client, MATRIX_OPTIMIZERS):
+            return ShardedMuon.around(retarget_optimizer(client, shards))
         if client is not None:
             return retarget_optimizer(client, shards)
         shard_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": s}

@@ -131,6 +131,9 @@ def ds_config(placement: Placement, *, dtype: str, optimizer: str,
         "optimizer": ({"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
                                                    "weight_decay": 0.1}}
                       if optimizer == "adam" else
+                      {"type": "Muon", "params": {"lr": 3e-4, "muon_lr": 0.02,
+                                                  "weight_decay": 0.1}}
+                      if optimizer == "muon" else
                       {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}),
     }
     if dtype == "bf16":

@@ -17,7 +17,9 @@ __all__ = ["EstimateReport", "EstimateRequest", "estimate"]
 
 _PRECISION_NAMES = {"bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision",
                     "fp32": "fp32"}
-_OPTIMIZER_NAMES = {"adam": "Adam", "sgd": "SGD with momentum"}
+_OPTIMIZER_NAMES = {"adam": "Adam", "sgd": "SGD with momentum",
+                    "muon": "Muon (its AdamW half, embeddings and vectors, keeps Adam's "
+                            "8 bytes: trace a step with --stage to count both)"}
 _WIDTH = 96  # notes are wrapped to this many columns
 
 

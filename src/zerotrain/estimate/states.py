@@ -64,11 +64,13 @@ __all__ = ["BytesPerParam", "DTYPES", "OPTIMIZERS", "PLACEMENTS", "Placement",
            "off_gpu_shares", "per_rank_params"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
-OptimizerName = Literal["adam", "sgd"]
+OptimizerName = Literal["adam", "sgd", "muon"]
 Device = Literal["none", "cpu", "nvme"]
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
-OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
-_MOMENT_BYTES = {"adam": 8, "sgd": 4}  # fp32 momentum + variance; fp32 momentum
+OPTIMIZERS: tuple[str, ...] = ("adam", "sgd", "muon")
+# fp32 momentum + variance; fp32 momentum; Muon's fp32 momentum of the matrices it steps
+# (the parameters its AdamW half steps keep Adam's 8: the traced peak counts both)
+_MOMENT_BYTES = {"adam": 8, "sgd": 4, "muon": 4}
 _DEVICE_NAMES = {"cpu": "CPU", "nvme": "NVMe"}
 
 

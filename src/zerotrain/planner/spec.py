@@ -38,6 +38,8 @@ class StepSpec:
     gradient_accumulation: int = 1
     backend: str = "nccl"          # nccl | gloo (Note: the backend's own buffers)
     tp: int = 1                    # tensor_parallel.autotp_size
+    optimizer: str = "adam"        # adam (AdamW) | muon (Muon: one momentum per matrix
+    #                                element, AdamW's two moments for the rest)
 
     @property
     def world(self) -> int:
@@ -140,7 +142,8 @@ def ds_config_for(spec: StepSpec) -> dict:
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.gradient_accumulation,
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "optimizer": ({"type": "Muon", "params": {"lr": 1e-4}} if spec.optimizer == "muon"
+                      else {"type": "AdamW", "params": {"lr": 1e-4}}),
     }
     if spec.dtype in ("bf16", "fp16"):
         config[spec.dtype] = {"enabled": True}

@@ -14,7 +14,9 @@ Rules:
 * ``checkpoint`` (full-weight export included) never imports ``stages`` or ``zero3``, although their row
   allows it: they see a stage only through their own protocols (:data:`NEVER_IMPORTS`);
 * every module is placed in :data:`ROWS`, and every module of ``comm`` in
-  :data:`PACKAGE_ROWS` (a new module fails until it is placed).
+  :data:`PACKAGE_ROWS` (a new module fails until it is placed);
+* no import cycle between modules of one package hides behind an import inside a function
+  or under ``if TYPE_CHECKING:`` (move the shared piece into a module of its own instead).
 
 Every import counts, including those inside functions and under ``if TYPE_CHECKING:``.
 """
@@ -354,6 +356,57 @@ def collective_violations(modules: Mapping[str, str]) -> list[str]:
     return problems
 
 
+def _runtime_imports(key: str, tree: ast.AST, modules: Mapping[str, str]) -> Iterator[
+        tuple[str, int, bool]]:
+    """(target key, line, lazy) for every zerotrain import of ``key``; ``lazy``: inside a
+    function or under ``if TYPE_CHECKING:`` (it runs after, or never at, import time)."""
+    def visit(node: ast.AST, lazy: bool) -> Iterator[tuple[str, int, bool]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target, line in imported_modules(key, child, modules):
+                    yield target, line, lazy
+                continue
+            deferred = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            deferred = deferred or (isinstance(child, ast.If)
+                                    and "TYPE_CHECKING" in ast.unparse(child.test))
+            yield from visit(child, lazy or deferred)
+    return visit(tree, False)
+
+
+def lazy_cycles(modules: Mapping[str, str]) -> list[str]:
+    """Each import cycle between modules of one package that closes through a lazy import
+    (:func:`_runtime_imports`), as ``a.py:line -> b -> ... -> a``."""
+    graph: dict[str, dict[str, tuple[int, bool]]] = {}
+    for key, source in modules.items():
+        for target, line, lazy in _runtime_imports(key, ast.parse(source, filename=key),
+                                                   modules):
+            if target != key and target in modules and top_name(target) == top_name(key):
+                edges = graph.setdefault(key, {})
+                if target not in edges or (edges[target][1] and not lazy):
+                    edges[target] = (line, lazy)
+
+    def path(start: str, goal: str) -> Optional[list[str]]:
+        seen, stack = {start}, [[start]]
+        while stack:
+            trail = stack.pop()
+            if trail[-1] == goal:
+                return trail
+            for nxt in sorted(graph.get(trail[-1], {})):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(trail + [nxt])
+        return None
+
+    problems = []
+    for key, edges in sorted(graph.items()):
+        for target, (line, lazy) in sorted(edges.items()):
+            back = path(target, key) if lazy else None
+            if back:
+                problems.append(f"{key}.py:{line} imports {target} lazily, closing the cycle "
+                                + " -> ".join([key, *back]))
+    return problems
+
+
 def _report(problems: Iterable[str]) -> str:
     return "\n".join(problems)
 
@@ -391,6 +444,12 @@ def test_row_one_does_not_import_torch_distributed_and_config_not_torch(modules)
 def test_only_comm_calls_torch_distributed_collectives(modules):
     problems = collective_violations(modules)
     assert not problems, _report(problems)
+
+
+def test_no_import_cycle_inside_a_package_hides_behind_a_lazy_import(modules):
+    problems = lazy_cycles(modules)
+    assert not problems, _report(problems) + ("\nmove what both modules need into a module "
+                                              "of its own that imports neither")
 
 
 def test_the_collective_detector_sees_comms_own_collectives(modules):
@@ -524,6 +583,23 @@ def test_checker_flags_collectives_outside_comm(source):
 def test_checker_allows_non_collective_torch_distributed_calls():
     source = "import torch.distributed as dist\ndist.get_backend()\ndist.get_rank()\n"
     assert not collective_violations({"initialize": source})
+
+
+def test_checker_flags_a_cycle_closed_by_a_function_or_type_checking_import():
+    fake = _tree(checkpoint_write="from .write3 import w3\n",
+                 checkpoint_write3="def f():\n    from .write import x\n",
+                 offload_storage="from .host import H\n",
+                 offload_host="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from .storage import S\n",
+                 checkpoint_fs="def g():\n    from ..offload import storage\n",
+                 offload___init__="", comm_a="def h():\n    from .b import y\n",
+                 comm_b="")
+    fake = {k.replace("offload_", "offload/", 1) if k.startswith("offload_") else k: v
+            for k, v in fake.items()}
+    problems = _report(lazy_cycles(fake))
+    assert "checkpoint/write3.py:2 imports checkpoint/write lazily" in problems, problems
+    assert "offload/host.py:3 imports offload/storage lazily" in problems, problems
+    assert len(lazy_cycles(fake)) == 2, problems   # across packages, or no cycle: fine
 
 
 def test_checker_frees_a_subpackage_inside_and_orders_it_by_its_folder():

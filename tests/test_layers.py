@@ -10,7 +10,8 @@ Rules:
   first, then ``communicator``) and import only from rows above their own;
 * row 1 never imports ``torch.distributed``, and ``config`` does not import torch at all;
 * only modules of ``zerotrain.comm`` call torch.distributed collectives;
-* only ``engine``, ``initialize``, ``__init__`` and ``cli`` import ``engine``;
+* only ``engine``, ``planner``, ``integrations``, ``__init__`` and ``cli`` import ``engine``
+  (``engine/build`` is ``zerotrain.initialize``);
 * ``checkpoint`` (full-weight export included) never imports ``stages`` or ``zero3``, although their row
   allows it: they see a stage only through their own protocols (:data:`NEVER_IMPORTS`);
 * every module is placed in :data:`ROWS`, and every module of ``comm`` in
@@ -50,7 +51,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
-    (("engine",), ("initialize",), ("planner",),
+    (("engine",), ("planner",),
      ("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias"),
      ("integrations",), ("as_deepspeed", "deepspeed_alias_hook")),
 )
@@ -62,8 +63,8 @@ NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in 
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
 # The one package allowed to call collectives, and who may import the engine.
 COMM_MODULE = "comm"
-ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli",
-                                              "planner"})
+ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "__init__", "cli", "planner",
+                                              "integrations"})
 # Names a module never imports although its row may: checkpoints and full-weight export reach a stage
 # only through checkpoint.state.ShardOwner and checkpoint.full_weights.FullWeights.
 NEVER_IMPORTS: dict[str, frozenset[str]] = {
@@ -84,7 +85,8 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
     "engine": (("parameter_offload",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused"),
-               ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
+               ("api", "reports", "persistence"), ("engine",), ("resume",), ("build",),
+               ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }
 
@@ -488,12 +490,12 @@ def test_checker_flags_an_upward_import():
 
 def test_checker_resolves_absolute_relative_and_module_imports():
     fake = _tree(dataloader="import zerotrain.checkpoint\n", checkpoint="",
-                 comm="from zerotrain import initialize\n", initialize="",
+                 comm="from zerotrain import planner\n", planner="",
                  unsupported="from . import optim\n", optim="",
                  untrusted="import zerotrain\n", __init__="")
     problems = _report(layer_violations(fake))
     assert "dataloader.py:1 imports checkpoint" in problems
-    assert "comm.py:1 imports initialize" in problems
+    assert "comm.py:1 imports planner" in problems
     assert "unsupported.py:1 imports optim" in problems
     assert "untrusted.py:1 imports __init__" in problems
 
@@ -501,7 +503,7 @@ def test_checker_resolves_absolute_relative_and_module_imports():
 def test_checker_allows_same_row_imports_only_from_earlier_tiers_or_peer_tiers():
     fake = _tree(config="from .errors import ConfigError\n", errors="",
                  estimate="from .config import x\n",
-                 initialize="from .engine import ZeroEngine\n", engine="",
+                 planner="from .engine import ZeroEngine\n", engine="",
                  cli="from . import demo\n", demo="import zerotrain\n", __init__="")
     problems = layer_violations(fake)
     assert len(problems) == 1 and "estimate.py:1 imports config" in problems[0], problems

@@ -44,7 +44,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 2. process-level services
     (("comm", "accelerator"),),
     # 3. building blocks of a stage
-    (("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
+    (("optim", "schedules", "dataloader", "offload", "ops",
       "offload_names", "launcher_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("recompute",), ("zero", "checkpointing")),

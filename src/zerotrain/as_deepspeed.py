@@ -147,14 +147,14 @@ ALIASES.update({
     "deepspeed.utils.torch": "zerotrain.ops.builder",
     "deepspeed.runtime.swap_tensor": "zerotrain.ops.builder",
     "deepspeed.runtime.zero.config": "zerotrain.config.deepspeed_zero",
-    "deepspeed.runtime.zero.stage3": "zerotrain.optim_kinds",          # and the estimators
-    "deepspeed.runtime.zero.stage_1_and_2": "zerotrain.optim_kinds",
-    "deepspeed.runtime.zero.utils": "zerotrain.optim_kinds",   # ZeRORuntimeException
-    "deepspeed.runtime.base_optimizer": "zerotrain.optim_kinds",
-    "deepspeed.runtime.bf16_optimizer": "zerotrain.optim_kinds",
+    "deepspeed.runtime.zero.stage3": "zerotrain.optim.kinds",          # and the estimators
+    "deepspeed.runtime.zero.stage_1_and_2": "zerotrain.optim.kinds",
+    "deepspeed.runtime.zero.utils": "zerotrain.optim.kinds",   # ZeRORuntimeException
+    "deepspeed.runtime.base_optimizer": "zerotrain.optim.kinds",
+    "deepspeed.runtime.bf16_optimizer": "zerotrain.optim.kinds",
     "deepspeed.runtime.fp16": None,
-    "deepspeed.runtime.fp16.fused_optimizer": "zerotrain.optim_kinds",
-    "deepspeed.runtime.fp16.unfused_optimizer": "zerotrain.optim_kinds",
+    "deepspeed.runtime.fp16.fused_optimizer": "zerotrain.optim.kinds",
+    "deepspeed.runtime.fp16.unfused_optimizer": "zerotrain.optim.kinds",
 })
 # More of DeepSpeed's own ZeRO unit tests: the leaf-module defaults.
 ALIASES.update({

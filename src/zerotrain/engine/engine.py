@@ -44,7 +44,7 @@ from ..errors import (ContextMisuseError, LossValueError, NonFiniteGradientError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
-from ..optim_kinds import deepspeed_kinds
+from ..optim.kinds import deepspeed_kinds
 from .ownership import claim, close_stage, refuse_when_closed
 from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from ..stages.base import Stage, StepOutcome

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ZeroTrainConfig
-from .errors import StateError, ZeroTrainError
-from .estimate import (estimate_zero2_model_states_mem_needs,
+from ..config import ZeroTrainConfig
+from ..errors import StateError, ZeroTrainError
+from ..estimate import (estimate_zero2_model_states_mem_needs,
                        estimate_zero2_model_states_mem_needs_all_cold,
                        estimate_zero2_model_states_mem_needs_all_live,
                        estimate_zero3_model_states_mem_needs,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .errors import ConfigError, StateError
+from ..errors import ConfigError, StateError
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "fused"}
 

@@ -10,7 +10,8 @@ Rules:
   first, then ``communicator``) and import only from rows above their own;
 * row 1 never imports ``torch.distributed``, and ``config`` does not import torch at all;
 * only modules of ``zerotrain.comm`` call torch.distributed collectives;
-* only ``engine``, ``planner``, ``integrations``, ``__init__`` and ``cli`` import ``engine``
+* only ``engine``, ``utils``, ``planner``, ``integrations``, ``__init__`` and ``cli``
+  import ``engine``
   (``engine/build`` is ``zerotrain.initialize``);
 * ``checkpoint`` (full-weight export included) never imports ``stages`` or ``zero3``, although their row
   allows it: they see a stage only through their own protocols (:data:`NEVER_IMPORTS`);
@@ -49,9 +50,9 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("recompute",), ("zero", "checkpointing")),
     # 5. persistence, and DeepSpeed's helpers over it
-    (("checkpoint",), ("utils",)),
-    # 6. the engine, then the entry points
-    (("engine",), ("planner",),
+    (("checkpoint",),),
+    # 6. the engine, DeepSpeed's helpers over it, then the entry points
+    (("engine",), ("utils",), ("planner",),
      ("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias"),
      ("integrations",), ("as_deepspeed", "deepspeed_alias_hook")),
 )
@@ -64,7 +65,7 @@ NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
 # The one package allowed to call collectives, and who may import the engine.
 COMM_MODULE = "comm"
 ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "__init__", "cli", "planner",
-                                              "integrations"})
+                                              "integrations", "utils"})
 # Names a module never imports although its row may: checkpoints and full-weight export reach a stage
 # only through checkpoint.state.ShardOwner and checkpoint.full_weights.FullWeights.
 NEVER_IMPORTS: dict[str, frozenset[str]] = {
@@ -83,7 +84,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
              ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
-    "engine": (("parameter_offload",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+    "engine": (("full_params", "parameter_offload"), ("group_gradients",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("build",),
                ("__init__",)),

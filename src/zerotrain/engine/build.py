@@ -52,7 +52,7 @@ from .resume import auto_resume
 from ..errors import ConfigError
 from ..optim import check_client_optimizer
 from ..core.precision import PrecisionPolicy
-from ..utils import register_engine
+from .full_params import register_engine
 from ..stages.factory import adopt, build_stage, stage_class
 from ..tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
 from ..tp.zero3 import check_stage3

@@ -53,7 +53,7 @@ from ..stages.factory import shards_optimizer
 from .throughput import ThroughputTimer
 from .timers import StepTimers
 from .unused import refuse_unused_parameters
-from ..utils import gradient_norms_by_group
+from .group_gradients import gradient_norms_by_group
 
 logger = logging.getLogger(__name__)
 

@@ -53,12 +53,13 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("checkpoint",),),
     # 6. the engine, DeepSpeed's helpers over it, then the entry points
     (("engine",), ("utils",), ("planner",),
-     ("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias"),
+     ("__init__", "cli", "cli_estimate", "launch", "demo", "__main__",
+      "deepspeed_alias"),
      ("integrations",), ("as_deepspeed", "deepspeed_alias_hook")),
 )
 # Tiers whose members may import one another (entry points).
 PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
-    {("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias")})
+    {("__init__", "cli", "cli_estimate", "launch", "demo", "__main__", "deepspeed_alias")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})

@@ -222,7 +222,7 @@ def _locate_local(param: torch.nn.Parameter, what: str):
     """(engine, record, slot) of a stage-3 parameter, None if frozen; refuses below 3."""
     found = _locate(param, what)
     engine = getattr(param, _ENGINE_ATTR)()
-    if engine.zero_optimization_stage() != 3:
+    if not engine.stage.partitions_parameters:
         raise StateError(f"{what} is defined for ZeRO stage 3's partitioned parameters "
                          f"only (this engine runs stage {engine.zero_optimization_stage()}); "
                          f"use the safe_*_full_* functions")

@@ -26,7 +26,7 @@ _GRAD_REDUCTION = {0: AllReduceGrads, 1: ReduceScatterAtBoundary,
                    2: ReduceScatterEveryMicroStep}
 
 
-def stage_class(stage: int) -> type:
+def stage_class(stage: int) -> type[PartitionedDataParallel] | type[ShardedDataParallel]:
     """The class of ``zero_optimization.stage``'s object, for what is asked of a stage
     before it exists (``partitions_parameters``); ConfigError for a stage that does not
     exist."""

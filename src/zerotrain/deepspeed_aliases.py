@@ -48,7 +48,7 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.launcher.runner": "zerotrain.launcher_names",
 }
 # DeepSpeed's names its own unit tests and their harness import: build and op records,
-# runtime.zero.config's models, and the optimizer classes for isinstance (optim_kinds).
+# runtime.zero.config's models, and the optimizer classes for isinstance (optim/kinds.py).
 ALIASES.update({
     "deepspeed.accelerator.real_accelerator": "zerotrain.accelerator",
     "deepspeed.git_version_info": "zerotrain.ops.builder",

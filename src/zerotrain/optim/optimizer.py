@@ -130,7 +130,7 @@ class ZeroOptimizer:
                  norm_groups: Optional[Callable[[], list]] = None,
                  last_norm: Optional[Callable[[], Optional[float]]] = None) -> None:
         self.optimizer = optimizer
-        self.deepspeed_kinds = deepspeed_kinds   # optim_kinds: DeepSpeed's classes, isinstance
+        self.deepspeed_kinds = deepspeed_kinds   # optim/kinds.py: DeepSpeed's classes, isinstance
         self._norm_groups, self._last_norm = norm_groups, last_norm
 
     @property

@@ -10,11 +10,15 @@ Rules:
   first, then ``communicator``) and import only from rows above their own;
 * row 1 never imports ``torch.distributed``, and ``config`` does not import torch at all;
 * only modules of ``zerotrain.comm`` call torch.distributed collectives;
-* only ``engine``, ``initialize``, ``__init__`` and ``cli`` import ``engine``;
+* only ``engine``, ``utils``, ``planner``, ``integrations``, ``__init__`` and ``cli``
+  import ``engine``
+  (``engine/build`` is ``zerotrain.initialize``);
 * ``checkpoint`` (full-weight export included) never imports ``stages`` or ``zero3``, although their row
   allows it: they see a stage only through their own protocols (:data:`NEVER_IMPORTS`);
 * every module is placed in :data:`ROWS`, and every module of ``comm`` in
-  :data:`PACKAGE_ROWS` (a new module fails until it is placed).
+  :data:`PACKAGE_ROWS` (a new module fails until it is placed);
+* no import cycle between modules of one package hides behind an import inside a function
+  or under ``if TYPE_CHECKING:`` (move the shared piece into a module of its own instead).
 
 Every import counts, including those inside functions and under ``if TYPE_CHECKING:``.
 """
@@ -41,27 +45,28 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # 2. process-level services
     (("comm", "accelerator"),),
     # 3. building blocks of a stage
-    (("muon",), ("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
+    (("muon",), ("optim", "schedules", "dataloader", "offload", "ops",
                  "offload_names", "launcher_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
     (("stages",), ("recompute",), ("zero", "checkpointing")),
     # 5. persistence, and DeepSpeed's helpers over it
-    (("checkpoint",), ("utils",)),
-    # 6. the engine, then the entry points
-    (("engine",), ("initialize",), ("planner",),
-     ("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias"),
-     ("integrations",), ("as_deepspeed", "deepspeed_alias_hook")),
+    (("checkpoint",),),
+    # 6. the engine, DeepSpeed's helpers over it, then the entry points
+    (("engine",), ("utils",), ("planner",),
+     ("__init__", "cli", "cli_estimate", "launch", "demo", "__main__",
+      "deepspeed_alias"),
+     ("integrations",), ("deepspeed_aliases",), ("as_deepspeed", "deepspeed_alias_hook")),
 )
 # Tiers whose members may import one another (entry points).
 PEER_TIERS: frozenset[tuple[str, ...]] = frozenset(
-    {("__init__", "cli", "launch", "demo", "__main__", "deepspeed_alias")})
+    {("__init__", "cli", "cli_estimate", "launch", "demo", "__main__", "deepspeed_alias")})
 # Row-1 names: no torch.distributed; NO_TORCH: no torch import at all.
 NO_DISTRIBUTED: frozenset[str] = frozenset(name for tier in ROWS[0] for name in tier)
 NO_TORCH: frozenset[str] = frozenset({"config", "untrusted"})
 # The one package allowed to call collectives, and who may import the engine.
 COMM_MODULE = "comm"
-ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "initialize", "__init__", "cli",
-                                              "planner"})
+ENGINE_IMPORTERS: frozenset[str] = frozenset({"engine", "__init__", "cli", "planner",
+                                              "integrations", "utils"})
 # Names a module never imports although its row may: checkpoints and full-weight export reach a stage
 # only through checkpoint.state.ShardOwner and checkpoint.full_weights.FullWeights.
 NEVER_IMPORTS: dict[str, frozenset[str]] = {
@@ -80,9 +85,10 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
              ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
-    "engine": (("parameter_offload",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+    "engine": (("full_params", "parameter_offload"), ("group_gradients",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused"),
-               ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
+               ("api", "reports", "persistence"), ("engine",), ("resume",), ("build",),
+               ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
 }
 
@@ -354,6 +360,57 @@ def collective_violations(modules: Mapping[str, str]) -> list[str]:
     return problems
 
 
+def _runtime_imports(key: str, tree: ast.AST, modules: Mapping[str, str]) -> Iterator[
+        tuple[str, int, bool]]:
+    """(target key, line, lazy) for every zerotrain import of ``key``; ``lazy``: inside a
+    function or under ``if TYPE_CHECKING:`` (it runs after, or never at, import time)."""
+    def visit(node: ast.AST, lazy: bool) -> Iterator[tuple[str, int, bool]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target, line in imported_modules(key, child, modules):
+                    yield target, line, lazy
+                continue
+            deferred = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            deferred = deferred or (isinstance(child, ast.If)
+                                    and "TYPE_CHECKING" in ast.unparse(child.test))
+            yield from visit(child, lazy or deferred)
+    return visit(tree, False)
+
+
+def lazy_cycles(modules: Mapping[str, str]) -> list[str]:
+    """Each import cycle between modules of one package that closes through a lazy import
+    (:func:`_runtime_imports`), as ``a.py:line -> b -> ... -> a``."""
+    graph: dict[str, dict[str, tuple[int, bool]]] = {}
+    for key, source in modules.items():
+        for target, line, lazy in _runtime_imports(key, ast.parse(source, filename=key),
+                                                   modules):
+            if target != key and target in modules and top_name(target) == top_name(key):
+                edges = graph.setdefault(key, {})
+                if target not in edges or (edges[target][1] and not lazy):
+                    edges[target] = (line, lazy)
+
+    def path(start: str, goal: str) -> Optional[list[str]]:
+        seen, stack = {start}, [[start]]
+        while stack:
+            trail = stack.pop()
+            if trail[-1] == goal:
+                return trail
+            for nxt in sorted(graph.get(trail[-1], {})):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(trail + [nxt])
+        return None
+
+    problems = []
+    for key, edges in sorted(graph.items()):
+        for target, (line, lazy) in sorted(edges.items()):
+            back = path(target, key) if lazy else None
+            if back:
+                problems.append(f"{key}.py:{line} imports {target} lazily, closing the cycle "
+                                + " -> ".join([key, *back]))
+    return problems
+
+
 def _report(problems: Iterable[str]) -> str:
     return "\n".join(problems)
 
@@ -393,6 +450,12 @@ def test_only_comm_calls_torch_distributed_collectives(modules):
     assert not problems, _report(problems)
 
 
+def test_no_import_cycle_inside_a_package_hides_behind_a_lazy_import(modules):
+    problems = lazy_cycles(modules)
+    assert not problems, _report(problems) + ("\nmove what both modules need into a module "
+                                              "of its own that imports neither")
+
+
 def test_the_collective_detector_sees_comms_own_collectives(modules):
     """Guards the detector: run on comm's modules as if they were another module, it must
     fire."""
@@ -429,12 +492,12 @@ def test_checker_flags_an_upward_import():
 
 def test_checker_resolves_absolute_relative_and_module_imports():
     fake = _tree(dataloader="import zerotrain.checkpoint\n", checkpoint="",
-                 comm="from zerotrain import initialize\n", initialize="",
+                 comm="from zerotrain import planner\n", planner="",
                  unsupported="from . import optim\n", optim="",
                  untrusted="import zerotrain\n", __init__="")
     problems = _report(layer_violations(fake))
     assert "dataloader.py:1 imports checkpoint" in problems
-    assert "comm.py:1 imports initialize" in problems
+    assert "comm.py:1 imports planner" in problems
     assert "unsupported.py:1 imports optim" in problems
     assert "untrusted.py:1 imports __init__" in problems
 
@@ -442,7 +505,7 @@ def test_checker_resolves_absolute_relative_and_module_imports():
 def test_checker_allows_same_row_imports_only_from_earlier_tiers_or_peer_tiers():
     fake = _tree(config="from .errors import ConfigError\n", errors="",
                  estimate="from .config import x\n",
-                 initialize="from .engine import ZeroEngine\n", engine="",
+                 planner="from .engine import ZeroEngine\n", engine="",
                  cli="from . import demo\n", demo="import zerotrain\n", __init__="")
     problems = layer_violations(fake)
     assert len(problems) == 1 and "estimate.py:1 imports config" in problems[0], problems
@@ -524,6 +587,23 @@ def test_checker_flags_collectives_outside_comm(source):
 def test_checker_allows_non_collective_torch_distributed_calls():
     source = "import torch.distributed as dist\ndist.get_backend()\ndist.get_rank()\n"
     assert not collective_violations({"initialize": source})
+
+
+def test_checker_flags_a_cycle_closed_by_a_function_or_type_checking_import():
+    fake = _tree(checkpoint_write="from .write3 import w3\n",
+                 checkpoint_write3="def f():\n    from .write import x\n",
+                 offload_storage="from .host import H\n",
+                 offload_host="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from .storage import S\n",
+                 checkpoint_fs="def g():\n    from ..offload import storage\n",
+                 offload___init__="", comm_a="def h():\n    from .b import y\n",
+                 comm_b="")
+    fake = {k.replace("offload_", "offload/", 1) if k.startswith("offload_") else k: v
+            for k, v in fake.items()}
+    problems = _report(lazy_cycles(fake))
+    assert "checkpoint/write3.py:2 imports checkpoint/write lazily" in problems, problems
+    assert "offload/host.py:3 imports offload/storage lazily" in problems, problems
+    assert len(lazy_cycles(fake)) == 2, problems   # across packages, or no cycle: fine
 
 
 def test_checker_frees_a_subpackage_inside_and_orders_it_by_its_folder():

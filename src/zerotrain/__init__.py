@@ -11,7 +11,7 @@ from .comm import init_distributed
 from .dataloader import RepeatingLoader
 from .engine import ZeroEngine
 from .errors import ConfigError, NonFiniteGradientError, RankMismatchError, ZeroTrainError
-from .initialize import add_config_arguments, initialize
+from .engine.build import add_config_arguments, initialize
 from .core.log import setup_logger
 from .core.memory import see_memory_usage
 from .tp import tp_model_init

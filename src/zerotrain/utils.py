@@ -7,18 +7,13 @@ shard (``flat.py``: rank r owns chunk r of every parameter), so the full value i
 concatenation of every rank's chunk. They are collective when the shards differ between
 ranks (stages 1-3): every rank must call them, for the same parameter, in the same order.
 They find the engine through the parameter, so call them after ``initialize``.
-
-Under tensor parallelism (``tensor_parallel.autotp_size``) they work in the shape the
-rank's module holds, as DeepSpeed's AutoTP does: a split parameter's value is the rank's
-slice, whole across the data-parallel ranks (a script all-gathers the slices over its
-tensor-parallel group), a replicated one the whole tensor. ``parameter_records`` is the
-one place that chooses those terms (Note "slice or whole" in ``tp/stage.py``).
+They are the engine's (``engine/full_params.py``, with the tensor-parallel terms); this
+module only gives them DeepSpeed's module path.
 """
 from __future__ import annotations
 
 import logging
-import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -26,6 +21,13 @@ from .checkpoint.consolidate import (convert_zero_checkpoint_to_fp32_state_dict,
                                      get_fp32_state_dict_from_zero_checkpoint)
 from .comm import get_rank, is_initialized
 from .dataloader import RepeatingLoader
+from .engine.full_params import (safe_get_full_fp32_param, safe_get_full_grad,
+                                 safe_get_full_optimizer_state, safe_get_local_fp32_param,
+                                 safe_get_local_grad, safe_get_local_optimizer_state,
+                                 safe_set_full_fp32_param, safe_set_full_grad,
+                                 safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                 safe_set_local_grad, safe_set_local_optimizer_state,
+                                 safe_update_full_grad_vectorized)
 from .errors import StateError
 from .offload.states import parse_include
 from .core.log import ALL_RANKS
@@ -36,7 +38,7 @@ from .stages.zero3.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_
 __all__ = ["RepeatingLoader", "convert_zero_checkpoint_to_fp32_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "log_dist", "logger",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "register_engine",
+           "safe_set_full_fp32_param",
            # DeepSpeed's setters, stage 3's local (this rank's chunk) accessors, log level
            "safe_set_full_grad", "safe_set_full_optimizer_state",
            "safe_update_full_grad_vectorized", "safe_get_local_fp32_param",
@@ -50,8 +52,6 @@ __all__ = ["RepeatingLoader", "convert_zero_checkpoint_to_fp32_state_dict",
 
 logger = logging.getLogger("zerotrain")
 
-_ENGINE_ATTR = "_zerotrain_engine"   # a weak reference to the engine training the parameter
-
 
 def log_dist(message: str, ranks: Optional[list[int]] = None,
              level: int = logging.INFO) -> None:
@@ -64,243 +64,6 @@ def log_dist(message: str, ranks: Optional[list[int]] = None,
         should_log = ranks[0] == -1 or rank in set(ranks)
     if should_log:
         logger.log(level, "[Rank %d] %s", rank, message, extra={ALL_RANKS: True})
-
-
-# ------------------------------------------------------------------ full parameter access
-def register_engine(engine: Any, params: Iterable[torch.nn.Parameter]) -> None:
-    """Let the ``safe_*`` functions find ``engine`` from its parameters (``initialize``)."""
-    ref = weakref.ref(engine)
-    for p in params:
-        setattr(p, _ENGINE_ATTR, ref)
-
-
-def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The full fp32 master of ``param`` (a new tensor of its full shape), or None for a
-    parameter the optimizer does not step. Collective at stages 1-3."""
-    found = _locate(param, "safe_get_full_fp32_param")
-    if found is None:
-        return None
-    engine, record, slot, shape = found
-    return _gather_full(engine, record.master, record, slot, shape)
-
-
-def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Overwrite the fp32 master of ``param`` with ``value`` (its full shape; each rank
-    keeps its own chunk) and publish it to the module's parameters. Every rank must pass
-    the same value. Collective at stages 1-3."""
-    found = _locate(param, "safe_set_full_fp32_param")
-    if found is None:
-        raise StateError("safe_set_full_fp32_param: the parameter is not trained by the "
-                         "engine (frozen or unknown); set it directly")
-    engine, record, slot, shape = found
-    _check_shape("safe_set_full_fp32_param", value, shape, engine, param)
-    chunk = record.layout.shard_of_full(value.detach().to(record.master.dtype), slot,
-                                        _shard_rank(engine, record))
-    with torch.no_grad():
-        record.master[record.layout.shard_slice(slot)].copy_(chunk)
-    _publish(engine)
-
-
-def safe_get_full_optimizer_state(param: torch.nn.Parameter,
-                                  optim_state_key: str) -> Optional[torch.Tensor]:
-    """The full value of optimizer state ``optim_state_key`` (``"exp_avg"``,
-    ``"exp_avg_sq"``...) for ``param``; None before the first step or for a parameter the
-    optimizer does not step. Collective at stages 1-3."""
-    found = _locate(param, "safe_get_full_optimizer_state")
-    if found is None:
-        return None
-    engine, record, slot, shape = found
-    state = record.optimizer_state.get(optim_state_key)
-    if state is None:
-        return None
-    if not isinstance(state, torch.Tensor) or state.shape != record.master.shape:
-        raise ValueError(f"optimizer state {optim_state_key!r} is not a per-element tensor "
-                         f"(it is {type(state).__name__}); read it from engine.optimizer.state")
-    return _gather_full(engine, state, record, slot, shape)
-
-
-def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The full fp32 gradient of ``param`` for this update: averaged over ranks, divided
-    by the fp16 loss scale, before clipping. Call it after ``engine.backward`` of the
-    micro-step that ends the accumulation window and before ``engine.step()``, where
-    DeepSpeed allows it too; None when no backward has run since the last step.
-    Collective at stages 1-3."""
-    found = _locate(param, "safe_get_full_grad")
-    if found is None:
-        return None
-    engine, record, slot, shape = found
-    summed = _reduced_gradient(engine, record, "safe_get_full_grad")
-    if summed is None:
-        return None
-    grad = _gather_full(engine, summed, record, slot, shape).float()
-    return grad.div_(_gradient_scale(engine))
-
-
-def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Replace the gradient of ``param`` that the next ``engine.step()`` applies with
-    ``value`` (its full shape, in :func:`safe_get_full_grad`'s terms: averaged over ranks,
-    unscaled); every rank passes the same value. Same window rule as the getter.
-    A frozen parameter is left alone (DeepSpeed's rule). Collective at stages 1-3."""
-    found = _locate(param, "safe_set_full_grad")
-    if found is None:
-        return
-    engine, record, slot, shape = found
-    _check_shape("safe_set_full_grad", value, shape, engine, param)
-    chunk = record.layout.shard_of_full(value.detach().reshape(-1), slot,
-                                        _shard_rank(engine, record))
-    _write_grad_chunk(engine, record, slot, chunk, "safe_set_full_grad")
-
-
-def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor,
-                                  optim_state_key: str) -> None:
-    """Overwrite optimizer state ``optim_state_key`` of ``param`` with ``value`` (its full
-    shape; each rank keeps its own chunk). Collective at stages 1-3."""
-    found = _locate(param, "safe_set_full_optimizer_state")
-    if found is None:
-        return
-    engine, record, slot, shape = found
-    _check_shape("safe_set_full_optimizer_state", value, shape, engine, param)
-    state = _state_tensor(record, optim_state_key, "safe_set_full_optimizer_state")
-    chunk = record.layout.shard_of_full(value.detach().reshape(-1), slot,
-                                        _shard_rank(engine, record))
-    with torch.no_grad():
-        state[record.layout.shard_slice(slot)].copy_(chunk)
-
-
-def safe_update_full_grad_vectorized(param_list: Iterable[torch.nn.Parameter],
-                                     update_func: Any) -> None:
-    """``safe_set_full_grad(p, update_func(safe_get_full_grad(p), p))`` for every
-    parameter of ``param_list`` that requires a gradient, in order (every rank passes the
-    same list). Collective at stages 1-3."""
-    for p in param_list:
-        if p.requires_grad:
-            grad = safe_get_full_grad(p)
-            if grad is not None:
-                safe_set_full_grad(p, update_func(grad, p))
-
-
-# ------------------------------------------------------------------ stage 3: this rank's chunk
-# DeepSpeed defines these for ZeRO-3 partitioned parameters only: the rank's own chunk of
-# the parameter (``ceil(numel / world)`` elements, the last rank's zero-padded), flat.
-# They are local: no collective, so ranks may call them for different parameters.
-def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """This rank's chunk of the fp32 master of ``param`` (a view: writing it changes the
-    master, as in DeepSpeed); None for a frozen parameter."""
-    found = _locate_local(param, "safe_get_local_fp32_param")
-    if found is None:
-        return None
-    _, record, slot = found
-    return record.master[record.layout.shard_slice(slot)]
-
-
-def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Overwrite this rank's chunk of the fp32 master of ``param`` and publish it to the
-    module's parameter. Frozen parameters are left alone."""
-    found = _locate_local(param, "safe_set_local_fp32_param")
-    if found is None:
-        return
-    engine, record, slot = found
-    _check_chunk("safe_set_local_fp32_param", value, slot)
-    with torch.no_grad():
-        record.master[record.layout.shard_slice(slot)].copy_(value.detach().reshape(-1))
-    _publish(engine)
-
-
-def safe_get_local_optimizer_state(param: torch.nn.Parameter,
-                                   optim_state_key: str) -> Optional[torch.Tensor]:
-    """This rank's chunk of optimizer state ``optim_state_key`` of ``param`` (a view);
-    None for a frozen parameter or before the first step."""
-    found = _locate_local(param, "safe_get_local_optimizer_state")
-    if found is None:
-        return None
-    _, record, slot = found
-    if record.optimizer_state.get(optim_state_key) is None:
-        return None
-    state = _state_tensor(record, optim_state_key, "safe_get_local_optimizer_state")
-    return state[record.layout.shard_slice(slot)]
-
-
-def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor,
-                                   optim_state_key: str) -> None:
-    """Overwrite this rank's chunk of optimizer state ``optim_state_key`` of ``param``."""
-    found = _locate_local(param, "safe_set_local_optimizer_state")
-    if found is None:
-        return
-    _, record, slot = found
-    _check_chunk("safe_set_local_optimizer_state", value, slot)
-    state = _state_tensor(record, optim_state_key, "safe_set_local_optimizer_state")
-    with torch.no_grad():
-        state[record.layout.shard_slice(slot)].copy_(value.detach().reshape(-1))
-
-
-def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """This rank's chunk of the gradient :func:`safe_get_full_grad` returns (fp32,
-    averaged over ranks, unscaled; a new tensor); same window rule. None for a frozen
-    parameter or when no backward has run since the last step."""
-    found = _locate_local(param, "safe_get_local_grad")
-    if found is None:
-        return None
-    engine, record, slot = found
-    summed = _reduced_gradient(engine, record, "safe_get_local_grad")
-    if summed is None:
-        return None
-    chunk = summed[record.layout.shard_slice(slot)].to(torch.float32, copy=True)
-    return chunk.div_(_gradient_scale(engine))
-
-
-def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Replace this rank's chunk of the gradient the next ``engine.step()`` applies (in
-    :func:`safe_get_local_grad`'s terms). Frozen parameters are left alone."""
-    found = _locate_local(param, "safe_set_local_grad")
-    if found is None:
-        return
-    engine, record, slot = found
-    _check_chunk("safe_set_local_grad", value, slot)
-    _write_grad_chunk(engine, record, slot, value.detach().reshape(-1), "safe_set_local_grad")
-
-
-def gradient_norms_by_group(engine: Any) -> list[torch.Tensor]:
-    """The L2 norm of each optimizer group's gradient for this update (averaged over ranks,
-    unscaled, before clipping), as DeepSpeed's ``optimizer._get_norm_groups()``: zeros when
-    no backward ran since the last step. Collective at stages 1-3."""
-    engine.settle()
-    records = parameter_records(engine)
-    groups = len(engine.optimizer.param_groups)
-    squares = torch.zeros(groups, dtype=torch.float32)
-    for record in records:
-        summed = _reduced_gradient(engine, record, "_get_norm_groups")
-        if summed is None:
-            break
-        squares[record.group_index] += _squares(engine, record, summed).cpu()
-    comm = _norm_comm(engine)
-    if comm is not None:
-        squares = squares.to(comm.device)
-        comm.all_reduce(squares, label="_get_norm_groups")
-    return list(squares.cpu().sqrt().div_(_gradient_scale(engine)).unbind())
-
-
-def averaged_gradients_by_group(engine: Any) -> dict[int, list[torch.Tensor]]:
-    """This rank's chunk of each trained parameter's gradient (averaged over ranks, unscaled,
-    fp32; new tensors), by optimizer group in the module's parameter order, as DeepSpeed's
-    ``optimizer.averaged_gradients``: empty when no backward ran since the last step. A
-    parameter none of whose elements this rank owns (stages 1-2) gives an empty chunk."""
-    engine.settle()
-    if not engine._backward_in_window:
-        return {}
-    position = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
-    found: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    scale = _gradient_scale(engine)
-    for record in parameter_records(engine):
-        if record.group_index < 0:   # a frozen parameter's shard (core.records.FROZEN)
-            continue
-        summed = _reduced_gradient(engine, record, "averaged_gradients")
-        chunks = found.setdefault(record.group_index, [])
-        for name, slot in zip(record.names, record.layout.slots):
-            chunk = summed[record.layout.shard_slice(slot)]
-            chunks.append((position[name], chunk.to(torch.float32, copy=True).div_(scale)))
-    # stage 3 keeps a group's shards unit by unit; DeepSpeed lists the module's order
-    return {g: [c for _, c in sorted(chunks, key=lambda pc: pc[0])]
-            for g, chunks in sorted(found.items())}
 
 
 def set_log_level_from_string(log_level_str: str, custom_logger: Any = None) -> None:
@@ -326,177 +89,3 @@ def get_state_devices(model: Any, state: Any) -> set[torch.device]:
                          "engine of zerotrain (pass what deepspeed.initialize returned)")
     return {t.device for t in stage.movable_states(resident_only=False)[kinds[0]]
             if t is not None}
-
-
-def _locate_local(param: torch.nn.Parameter, what: str):
-    """(engine, record, slot) of a stage-3 parameter, None if frozen; refuses below 3."""
-    found = _locate(param, what)
-    engine = getattr(param, _ENGINE_ATTR)()
-    if engine.zero_optimization_stage() != 3:
-        raise StateError(f"{what} is defined for ZeRO stage 3's partitioned parameters "
-                         f"only (this engine runs stage {engine.zero_optimization_stage()}); "
-                         f"use the safe_*_full_* functions")
-    if found is None:
-        return None
-    return found[0], found[1], found[2]
-
-
-def _check_shape(what: str, value: torch.Tensor, shape: Any, engine: Any,
-                 param: torch.nn.Parameter) -> None:
-    """One line naming the parameter, the shape expected and, for a parameter split over
-    the tensor-parallel group, that it is this rank's slice (Note "slice or whole")."""
-    if tuple(value.shape) == tuple(shape):
-        return
-    name = _name_of(engine, param)
-    split = _split_of(engine, name)
-    if split is None:
-        expected = f"its shape {tuple(shape)}"
-    else:
-        spec, tp_rank = split
-        expected = (f"tensor-parallel rank {tp_rank}'s slice {tuple(shape)} (of "
-                    f"{spec.full_shape(shape)}, split on dimension {spec.dim} over "
-                    f"{spec.size} ranks)")
-    raise ValueError(f"{what}: value for {name} has shape {tuple(value.shape)}; expected "
-                     f"{expected}")
-
-
-def _check_chunk(what: str, value: torch.Tensor, slot: Any) -> None:
-    if value.numel() != slot.chunk:
-        raise ValueError(f"{what}: value has {value.numel()} elements, this rank's chunk of "
-                         f"the parameter has {slot.chunk}")
-
-
-def _state_tensor(record: Any, key: str, what: str) -> torch.Tensor:
-    state = record.optimizer_state.get(key)
-    if state is None:
-        raise StateError(f"{what}: the optimizer has no state {key!r} for this parameter "
-                         f"(it has {sorted(record.optimizer_state)}; state is made by the "
-                         "first step)")
-    if not isinstance(state, torch.Tensor) or state.shape != record.master.shape:
-        raise ValueError(f"optimizer state {key!r} is not a per-element tensor (it is "
-                         f"{type(state).__name__}); use engine.optimizer.state")
-    return state
-
-
-def _reduced_gradient(engine: Any, record: Any, what: str) -> Optional[torch.Tensor]:
-    """This rank's reduced (summed, scaled) gradient shard holding ``record``; None when no
-    backward ran in this window. Refused before the window's last backward."""
-    if not engine._backward_in_window:
-        return None
-    if getattr(engine, "_coalescing", False):
-        raise StateError(f"{what} inside coalesce_grad_reduction(): the block's gradients "
-                         "are still this rank's alone, reduced over ranks at its exit; "
-                         "call it after the block, before engine.step()")
-    if not engine.managed_gradient_accumulation() and not engine._in_step:
-        raise StateError(f"{what}: with managed_gradient_accumulation=False the window's "
-                         "gradients are reduced over ranks only inside engine.step(), which "
-                         "ends the window and clears them after the update")
-    if not engine.is_gradient_accumulation_boundary():
-        raise StateError(f"{what}: gradients are reduced over ranks at the end of the "
-                         "accumulation window; call it after the backward of its last "
-                         f"micro-step (micro step {engine.micro_steps + 1} of "
-                         f"{engine.gradient_accumulation_steps()} now)")
-    engine.stage.buckets.collect()
-    return engine.stage.buckets.reduced_shard(_record_index(engine, record))
-
-
-def _record_index(engine: Any, record: Any) -> int:
-    return [id(r.master) for r in parameter_records(engine)].index(id(record.master))
-
-
-def parameter_records(engine: Any) -> list:
-    """The stage's records in the shapes this rank's module holds: under tensor
-    parallelism a split parameter's slice, not the checkpoints' gathered view (Note
-    "slice or whole" in ``tp/stage.py``). The one place the readers choose their terms."""
-    stage = engine.stage
-    local = getattr(stage, "parameter_records", None)
-    return local() if local is not None else stage.shard_records()
-
-
-def _split_of(engine: Any, name: Optional[str]):
-    """(split spec, tensor-parallel rank) of a split parameter, else None."""
-    split_of = getattr(engine.stage, "split_of", None)
-    return split_of(name) if split_of is not None and name else None
-
-
-def _publish(engine: Any) -> None:
-    """Publish masters written through :func:`parameter_records` to the module's parameters."""
-    stage = engine.stage
-    publish = getattr(stage, "publish_parameter_records", None)
-    (publish if publish is not None else stage.publish_parameters)()
-
-
-def _gradient_scale(engine: Any) -> float:
-    """What the reduced gradient holds over the averaged, unscaled one: the sum over the
-    data-parallel ranks (the world without tensor parallelism), times the loss scale."""
-    return engine.dp_world_size * engine.loss_scale
-
-
-def _squares(engine: Any, record: Any, summed: torch.Tensor) -> torch.Tensor:
-    """A record's squared gradient norm as the step takes it: with a norm spanning a
-    wider group (``stages/gradient_norm.py``'s ``NormSpan``: tensor parallelism), its
-    weighted square, so a replicated parameter counts once over the group."""
-    norm = getattr(engine.stage, "grad_norm", None)
-    if norm is not None:
-        return norm.square(_record_index(engine, record), record.layout, summed.float())
-    return torch.linalg.vector_norm(summed.float(), dtype=torch.float32).square()
-
-
-def _norm_comm(engine: Any):
-    """The ranks whose squares sum to the norm, as the step's; None when this rank holds
-    it all."""
-    norm = getattr(engine.stage, "grad_norm", None)
-    if norm is not None:
-        return norm.comm if norm.comm.world_size > 1 else None
-    return engine.stage.comm if engine.stage.sharded else None
-
-
-def _write_grad_chunk(engine: Any, record: Any, slot: Any, chunk: torch.Tensor,
-                      what: str) -> None:
-    """Store ``chunk`` (averaged, unscaled) where the step reads the summed, scaled shard."""
-    summed = _reduced_gradient(engine, record, what)
-    if summed is None:
-        raise StateError(f"{what}: no gradient to replace; call it after engine.backward() "
-                         "and before engine.step()")
-    with torch.no_grad():
-        summed[record.layout.shard_slice(slot)].copy_(
-            chunk.float() * _gradient_scale(engine))
-    engine.stage.gradient_overwritten(_record_index(engine, record))
-
-
-def _locate(param: torch.nn.Parameter, what: str):
-    """(engine, shard record, slot, full shape) of ``param``, or None if not trained."""
-    ref = getattr(param, _ENGINE_ATTR, None)
-    engine = ref() if ref is not None else None
-    if engine is None:
-        raise StateError(f"{what}: this parameter belongs to no engine; pass a parameter of "
-                         "the model given to zerotrain.initialize()")
-    name = _name_of(engine, param)
-    engine.settle()   # a delayed (dpu) update must land before masters are read or written
-    for record in parameter_records(engine):
-        if name in record.names:
-            j = record.names.index(name)
-            return engine, record, record.layout.slots[j], record.shapes[j]
-    return None
-
-
-def _name_of(engine: Any, param: torch.nn.Parameter) -> Optional[str]:
-    return next((n for n, p in engine.module.named_parameters() if p is param), None)
-
-
-def _shard_rank(engine: Any, record: Any) -> int:
-    return engine.stage.comm.rank if record.layout.world > 1 else 0
-
-
-def _gather_full(engine: Any, flat: torch.Tensor, record: Any, slot: Any,
-                 shape: Any) -> torch.Tensor:
-    """Every rank's chunk of ``slot`` from the shard-sized ``flat``, as the full tensor
-    (gathered over the stage's shard group: the world, or a MiCS group)."""
-    comm = engine.stage.comm
-    chunk = flat[record.layout.shard_slice(slot)]
-    if record.layout.world == 1:
-        return chunk[: slot.numel].clone().view(shape)
-    local = chunk.to(comm.device).contiguous()
-    out = torch.empty(comm.world_size * slot.chunk, dtype=local.dtype, device=local.device)
-    comm.all_gather(out, local, label="safe_get_full")
-    return out[: slot.numel].view(shape)

@@ -21,7 +21,7 @@ class _Recorder(nn.Module):
 
 def _engines(rank, world):
     import zerotrain
-    from zerotrain.optim_kinds import (BF16_Optimizer, DeepSpeedZeroOptimizer,
+    from zerotrain.optim.kinds import (BF16_Optimizer, DeepSpeedZeroOptimizer,
                                        DeepSpeedZeroOptimizer_Stage3, FP16_Optimizer,
                                        ZeROOptimizer)
     classes = (BF16_Optimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3,

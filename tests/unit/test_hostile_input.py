@@ -36,7 +36,7 @@ def test_a_huge_batch_size_given_as_a_python_number_is_named():
 
 
 def test_an_infinite_comms_timeout_is_named_before_the_group_exists():
-    from zerotrain.initialize import _comms_timeout
+    from zerotrain.engine.build import _comms_timeout
     with pytest.raises(ConfigError, match="comms_timeout"):
         load_config({"train_batch_size": 8, "comms_timeout": float("inf")}, world_size=1)
     assert _comms_timeout({"comms_timeout": float("inf")}) is None   # no OverflowError

@@ -1,5 +1,7 @@
-"""Only the factory maps ``zero_optimization.stage`` to a class: initialize and the engine
-ask the stage (``partitions_parameters``, ``factory.adopt``) instead of comparing numbers."""
+"""Only the factory maps ``zero_optimization.stage`` to a class: initialize, the engine,
+compile, the parameter readers and the optimizer's DeepSpeed kinds ask the stage
+(``partitions_parameters``, ``factory.adopt``, ``factory.deepspeed_kinds``) instead of
+comparing numbers."""
 import ast
 from pathlib import Path
 
@@ -33,20 +35,78 @@ def test_adopt_leaves_whole_parameters_alone_and_asks_no_communicator():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def _stage_number_comparisons(path: Path) -> list[int]:
-    """Lines comparing something named ``stage`` (``cfg.zero_optimization.stage``,
-    ``zero.stage``) with a number."""
+def _names_the_stage(node: ast.AST) -> bool:
+    """``x.stage``, a name ``stage``, or ``engine.zero_optimization_stage()``."""
+    if isinstance(node, ast.Attribute) and node.attr == "stage":
+        return True
+    if isinstance(node, ast.Name) and node.id == "stage":
+        return True
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        return name == "zero_optimization_stage"
+    return False
+
+
+def _is_number(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, int) and not isinstance(node.value, bool)
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(
+        _is_number(e) for e in node.elts)
+
+
+def _stage_number_comparisons(source: str) -> list[int]:
+    """Lines comparing the stage number (``cfg.zero_optimization.stage``, a ``stage``
+    argument, ``engine.zero_optimization_stage()``) with a number or a tuple of them."""
     lines = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            named = any(isinstance(s, ast.Attribute) and s.attr == "stage" for s in sides)
-            number = any(isinstance(s, ast.Constant) and isinstance(s.value, int) for s in sides)
-            if named and number:
+            if any(_names_the_stage(s) for s in sides) and any(_is_number(s) for s in sides):
                 lines.append(node.lineno)
     return lines
 
 
-@pytest.mark.parametrize("module", ["initialize.py", "engine/engine.py"])
-def test_initialize_and_the_engine_do_not_branch_on_the_stage_number(module):
-    assert _stage_number_comparisons(SRC / module) == []
+# Where a capability of the stage answers instead (``partitions_parameters``, the factory's
+# ``stage_class`` and ``deepspeed_kinds``): set-up, the engine, compile, the parameter
+# readers and the optimizer's DeepSpeed kinds.
+ASKS_THE_STAGE = ["engine/build.py", "engine/engine.py", "engine/compile.py",
+                  "engine/full_params.py", "engine/group_gradients.py", "utils.py",
+                  "optim/kinds.py", "optim/optimizer.py"]
+
+
+@pytest.mark.parametrize("module", ASKS_THE_STAGE)
+def test_set_up_the_engine_and_its_helpers_do_not_branch_on_the_stage_number(module):
+    assert _stage_number_comparisons((SRC / module).read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize("source", [
+    "if cfg.zero_optimization.stage == 3:\n    pass\n",
+    "graphs = settings.cuda_graphs() if stage == 3 else None\n",
+    "if engine.zero_optimization_stage() != 3:\n    pass\n",
+    "ok = stage in (1, 2)\n",
+])
+def test_the_detector_sees_a_branch_on_the_stage_number(source):
+    assert _stage_number_comparisons(source) == [1]
+
+
+def test_compile_refuses_cuda_graphs_where_the_stage_partitions_parameters():
+    """engine/compile asks the factory's class, so the refusal follows the capability."""
+    from zerotrain.engine.compile import Compilation, CompileSettings
+
+    for stage in (0, 1, 2):
+        Compilation([], CompileSettings(mode="reduce-overhead"), stage=stage)
+    with pytest.raises(ConfigError, match="CUDA graphs"):
+        Compilation([], CompileSettings(mode="reduce-overhead"), stage=3)
+
+
+@pytest.mark.parametrize("stage,kinds", [
+    (0, set()), (1, {"DeepSpeedZeroOptimizer", "ZeROOptimizer"}),
+    (2, {"DeepSpeedZeroOptimizer", "ZeROOptimizer"}),
+    (3, {"DeepSpeedZeroOptimizer_Stage3", "ZeROOptimizer"})])
+def test_the_factory_names_deepspeeds_optimizer_classes_by_stage(stage, kinds):
+    from zerotrain.config import load_config
+
+    config = load_config({"train_batch_size": 1, "zero_optimization": {"stage": stage}},
+                         world_size=1)
+    assert factory.deepspeed_kinds(config) == frozenset(kinds)

@@ -119,7 +119,7 @@ def test_batch_triangle_counts_every_rank_as_deepspeed_does():
 ])
 def test_stage3_with_tensor_parallelism_refuses_what_it_does_not_do_by_name(zero, key):
     """Before any collective (``comm`` is None here): every rank refuses alike."""
-    from zerotrain.initialize import _split_tensor_parallel
+    from zerotrain.engine.build import _split_tensor_parallel
     from zerotrain.tp.zero3 import check_stage3
     cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3, **(zero or {})},
                        "tensor_parallel": {"autotp_size": 2}}, world_size=4)

@@ -37,19 +37,21 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from . import client_state as client
-from . import fs, recovery, rng
+from . import fs, recovery
 from . import writer as writer_mod
 from .deepspeed import module_file
 from .manifest import (FORMAT, MANIFEST_NAME, MODULE_FILE, VERSION, CheckpointError,
                        check_tag, to_json)
-from .state import COUNTERS, CheckpointReport, TrainingState, shard_rank, writes_record
-from .stfile import TensorSpec, dtype_name, fsync_path, specs_of, write_file
+from .save_parts import (ModulePart, frozen_records, module_tensors, rank_items, record_meta,
+                         whole_module_on_every_rank, write_module_file)
+from .state import COUNTERS, CheckpointReport, TrainingState, shard_rank
+from .stfile import dtype_name, fsync_path, specs_of, write_file
 from .writer import BackgroundWriter
 from ..comm import group_timeout
 
@@ -99,7 +101,7 @@ def _save(state: TrainingState, save_dir: str, attempt: _Attempt, *, tag: Option
     start = time.perf_counter()
     comm = state.comm
     tag = f"global_step{state.counters['global_steps']}" if tag is None else tag
-    records = state.stage.shard_records() + _frozen_records(state, exclude_frozen)
+    records = state.stage.shard_records() + frozen_records(state, exclude_frozen)
     local: dict[str, Any] = {"tag": tag, "error": None, "nonce": None, "records": [],
                              "save_dir": os.path.normpath(os.fspath(save_dir))}
     small: dict = {}
@@ -108,14 +110,14 @@ def _save(state: TrainingState, save_dir: str, attempt: _Attempt, *, tag: Option
     manifest: dict = {}
     try:
         check_tag(tag)
-        local["records"] = [_record_meta(r) for r in records]
+        local["records"] = [record_meta(r) for r in records]
         for record in records:
             shard_rank(record.layout, comm)   # a layout checkpoints cannot map raises here
         small, client_tensors = _small_state(state, client_state)
         if comm.rank == 0:   # rank 0's records are everyone's (checked by _raise_first)
-            module_part = _module_tensors(state.module, local["records"], exclude_frozen)
+            module_part = module_tensors(state.module, local["records"], exclude_frozen)
             manifest = _manifest(state, tag, local["records"], small)
-            if _whole_module_on_every_rank(state):   # DeepSpeed's module file, no gather
+            if whole_module_on_every_rank(state):   # DeepSpeed's module file, no gather
                 module_part.deepspeed = module_file.live_module_state(
                     state.module, exclude_frozen_parameters=exclude_frozen)
             fs.require_dir(save_dir)
@@ -136,7 +138,7 @@ def _save(state: TrainingState, save_dir: str, attempt: _Attempt, *, tag: Option
         return report
     outcome: dict[str, Any] = {"error": None, "size": 0}
     try:
-        items, rng_meta = _rank_items(state, records)
+        items, rng_meta = rank_items(state, records)
         outcome["size"] = _write_rank_file(tmp, comm.rank, items, rng_meta,
                                            everyone[0]["nonce"])
         fs.crash_point("file")
@@ -170,7 +172,7 @@ def _save_in_background(state: TrainingState, writer: BackgroundWriter, save_dir
     shared = ("module/", "deepspeed/", "client/")   # rank 0's, written by its thread
     failure: dict[str, Any] = {"error": None}
     try:   # a failure here on one rank must not leave the others' writers running
-        items, rng_meta = _rank_items(state, records)
+        items, rng_meta = rank_items(state, records)
         if comm.rank == 0:
             items += [(f"module/{k}", t) for k, t in module_part.tensors.items()]
             items += [(f"deepspeed/{k}", t) for k, t in (module_part.deepspeed or {}).items()]
@@ -280,7 +282,7 @@ def _finish_on_rank0(save_dir: str, tmp: str, tag: str, everyone: list[dict],
     try:
         sizes = {rank_file(r): w["size"] for r, w in enumerate(written)}
         save_id = everyone[0]["nonce"]
-        sizes[MODULE_FILE] = _write_module_file(tmp, module_part.tensors, save_id)
+        sizes[MODULE_FILE] = write_module_file(tmp, module_part.tensors, save_id)
         manifest = {**manifest, "file_sizes": sizes}
         if client_tensors:
             sizes[client.FILE] = client.write(tmp, client_tensors, save_id)
@@ -301,129 +303,17 @@ def _finish_on_rank0(save_dir: str, tmp: str, tag: str, everyone: list[dict],
             "bytes": nbytes + sizes[MODULE_FILE] + sizes.get(module_file.MODEL_FILE, 0)}
 
 
-# --------------------------------------------------------------------------- records
-def _record_meta(record) -> dict:
-    """A record's structure and optimizer-state description (JSON; tensors stay local)."""
-    tensors, scalars, nones = [], {}, []
-    numel = record.master.numel()
-    for key, value in record.optimizer_state.items():
-        if value is None:
-            nones.append(key)
-        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            if value.numel() != numel or value.dtype != torch.float32:
-                raise CheckpointError(
-                    f"optimizer state {key!r} of {record.names[:1]}... is {value.dtype} "
-                    f"{tuple(value.shape)}; checkpoints hold fp32 state the size of the shard")
-            tensors.append(key)
-        elif isinstance(value, torch.Tensor):
-            scalars[key] = {"dtype": dtype_name(value.dtype), "value": value.item()}
-        else:
-            scalars[key] = {"dtype": "python", "value": to_json(value, f"optimizer.{key}")}
-    return {"names": list(record.names), "shapes": [list(s) for s in record.shapes],
-            "layout": record.layout.describe(), "group_index": record.group_index,
-            "shard_numel": record.layout.shard_numel, "dtype": dtype_name(record.master.dtype),
-            "state_tensors": tensors, "state_scalars": scalars, "state_none": nones}
-
-
-def _rank_items(state: TrainingState, records) -> tuple[list[tuple[str, torch.Tensor]], str]:
-    """This rank's master shards and optimizer state (records it writes) and its RNG, as
-    (key, live tensor) pairs, and the RNG's JSON."""
-    items: list[tuple[str, torch.Tensor]] = []
-    for i, record in enumerate(records):
-        if not writes_record(record.layout, state.comm):
-            continue
-        items.append((f"rec{i}/master", record.master))
-        items += [(f"rec{i}/{key}", value) for key, value in record.optimizer_state.items()
-                  if isinstance(value, torch.Tensor) and value.dim() > 0]
-    rng_tensors, rng_meta = rng.capture()
-    return items + list(rng_tensors.items()), rng_meta
-
-
+# --------------------------------------------------------------------------- rank files
 def _write_rank_file(tmp: str, rank: int, items: list[tuple[str, torch.Tensor]],
                      rng_meta: str, save_id: str) -> int:
-    """Write :func:`_rank_items`' tensors; ``save_id`` (the manifest's too) ties the file to
-    this save."""
+    """Write :func:`save_parts.rank_items`' tensors; ``save_id`` (the manifest's too) ties
+    the file to this save."""
     by_key = dict(items)
     meta = {"format": FORMAT, "rank": str(rank), "rng": rng_meta, "save": save_id}
     size = write_file(os.path.join(tmp, rank_file(rank)), specs_of(items),
                       lambda spec: by_key[spec.key].detach(), metadata=meta)
     fsync_path(tmp)   # this rank's directory entry, also where rank 0 is on another node
     return size
-
-
-@dataclass(slots=True)
-class ModulePart:
-    """What rank 0 writes besides the shards: frozen parameters and persistent buffers
-    (live tensors, by key) with their manifest entries, the frozen parameters left out
-    (Note: frozen parameters left out), and the module state of DeepSpeed's module file
-    (None at stage 3)."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    frozen: list[dict] = field(default_factory=list)
-    buffers: list[dict] = field(default_factory=list)
-    excluded: list[dict] = field(default_factory=list)
-    deepspeed: Optional[dict] = None
-
-    def restaged(self, staged: dict[str, torch.Tensor]) -> "ModulePart":
-        """The same part over the asynchronous writer's staged copies."""
-        deepspeed = (None if self.deepspeed is None else
-                     {k: staged[f"deepspeed/{k}"] for k in self.deepspeed})
-        return ModulePart({k: staged[f"module/{k}"] for k in self.tensors}, self.frozen,
-                          self.buffers, self.excluded, deepspeed)
-
-
-def _whole_module_on_every_rank(state: TrainingState) -> bool:
-    """Stages 0-2 without tensor parallelism (which leaves rank 0 a slice of a split
-    layer): then rank 0's module is the model, and DeepSpeed's module file is written."""
-    return (state.stage_index < 3
-            and getattr(state.stage, "tensor_parallel_world_size", 1) == 1)
-
-
-def _frozen_records(state: TrainingState, exclude_frozen: bool) -> list:
-    """The stage's frozen shard records (stage 3), less those whose parameters all need
-    no gradient when they are left out."""
-    records = state.stage.frozen_records()
-    if not exclude_frozen:
-        return records
-    needs_grad = {n for n, p in state.module.named_parameters() if p.requires_grad}
-    return [r for r in records if any(n in needs_grad for n in r.names)]
-
-
-def _module_tensors(module: torch.nn.Module, metas: list[dict],
-                    exclude_frozen: bool = False) -> ModulePart:
-    """Frozen parameters (those in no record) and persistent buffers, as they are (live
-    tensors), with their manifest entries; with ``exclude_frozen`` the parameters that
-    need no gradient are listed as left out instead."""
-    in_records = {name for meta in metas for name in meta["names"]}
-    persistent = set(module.state_dict(keep_vars=True).keys())
-    part = ModulePart()
-    tensors, frozen, buffers = part.tensors, part.frozen, part.buffers
-    for kind, named, out in (("param", module.named_parameters(), frozen),
-                             ("buffer", module.named_buffers(), buffers)):
-        for name, tensor in named:
-            if name in in_records:
-                continue
-            if kind == "param" and exclude_frozen and not tensor.requires_grad:
-                part.excluded.append({"name": name, "dtype": dtype_name(tensor.dtype),
-                                      "shape": list(getattr(tensor, "ds_shape",
-                                                            tensor.shape))})
-                continue
-            if name not in persistent:
-                continue
-            if tuple(getattr(tensor, "ds_shape", tensor.shape)) != tuple(tensor.shape):
-                raise CheckpointError(f"frozen parameter {name!r} is partitioned (stage 3) "
-                                      "and is in no shard record; checkpoints cannot save it")
-            key = f"{kind}/{name}"
-            tensors[key] = tensor.detach()
-            out.append({"name": name, "key": key, "shape": list(tensor.shape),
-                        "dtype": dtype_name(tensor.dtype)})
-    return part
-
-
-def _write_module_file(tmp: str, tensors: dict[str, torch.Tensor], save_id: str) -> int:
-    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    return write_file(os.path.join(tmp, MODULE_FILE), specs, lambda s: tensors[s.key],
-                      metadata={"format": FORMAT, "save": save_id})
 
 
 # --------------------------------------------------------------------------- JSON state

@@ -56,6 +56,7 @@ from torch import nn
 
 from ..errors import CompileError, ConfigError
 from ..stages.base import CompileTarget
+from ..stages.factory import stage_class
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +135,13 @@ class Compilation:
         call); ``install`` puts them in place.
 
         Raises ConfigError when the backend does not exist or torch refuses the arguments,
-        or when ``stage`` is 3 and the settings ask for CUDA graphs.
+        or when ``stage`` (``zero_optimization.stage``) partitions parameters and the
+        settings ask for CUDA graphs.
         """
         if settings.fallback not in FALLBACKS:
             raise ConfigError("compile.fallback", f"expected null or \"eager\", got "
                               f"{settings.fallback!r}", value=settings.fallback)
-        graphs = settings.cuda_graphs() if stage == 3 else None
+        graphs = settings.cuda_graphs() if stage_class(stage).partitions_parameters else None
         if graphs is not None:
             key, value = graphs
             raise ConfigError(key, f"{value!r} records CUDA graphs, which replay on fixed "

@@ -44,16 +44,15 @@ from ..errors import (ContextMisuseError, LossValueError, NonFiniteGradientError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
-from ..optim_kinds import deepspeed_kinds
 from .ownership import claim, close_stage, refuse_when_closed
 from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from ..stages.base import Stage, StepOutcome
 from ..stages.param_watch import ParameterWatch
-from ..stages.factory import shards_optimizer
+from ..stages.factory import deepspeed_kinds, shards_optimizer
 from .throughput import ThroughputTimer
 from .timers import StepTimers
 from .unused import refuse_unused_parameters
-from ..utils import gradient_norms_by_group
+from .group_gradients import gradient_norms_by_group
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ import torch
 
 from ..errors import StateError
 from ..offload import states as moved_states
-from ..utils import averaged_gradients_by_group, parameter_records, safe_get_full_grad
+from .full_params import parameter_records, safe_get_full_grad
+from .group_gradients import averaged_gradients_by_group
 
 
 class OptimizerViews:

@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..config import read_config_dict
 from ..errors import ConfigError
-from ..initialize import initialize, release_model
+from ..engine.build import initialize, release_model
 from ..schedules import build_scheduler
 from . import hf_config
 from .hf_views import EngineOptimizerView, EngineSchedulerView

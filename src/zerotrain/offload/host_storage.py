@@ -1,22 +1,20 @@
 """Offloaded state in host RAM: ``HostStorage``, always resident, pinned when asked.
 
-Apart from the protocol (``storage.py``) because pinning is its own job: page-locking
-memory of its own pages with ``cudaHostRegister`` and unlocking it at close. ``nvme.py``
+Apart from the protocol (``storage_protocol.py``) and the choice (``storage.py``) because
+pinning is its own job: page-locking memory of its own pages with ``cudaHostRegister`` and unlocking it at close. ``nvme.py``
 builds on it (the swap slots are host memory too).
 """
 from __future__ import annotations
 
 import logging
 import mmap
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .traffic import nbytes
+from .storage_protocol import Storage
 from .transfers import Transfers
-
-if TYPE_CHECKING:   # for annotations only: storage.py imports this module
-    from .storage import Storage
 
 logger = logging.getLogger(__name__)
 

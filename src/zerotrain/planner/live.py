@@ -77,7 +77,7 @@ def _on_fake_tensors(model: torch.nn.Module) -> torch.nn.Module:
 def _trace_built(build: Callable[[], torch.nn.Module], config: dict, world: int,
                  shapes: list, backend: str) -> int:
     """In the spawned process of :func:`predict_engine_peak`: the traced peak."""
-    from ..initialize import initialize
+    from ..engine.build import initialize
 
     tracker = _FakeTracker()
     with fake_world(0, world, backend):

@@ -32,7 +32,7 @@ def run_step(spec: StepSpec, model: torch.nn.Module, tracker: PeakTracker,
     ``tracker``; returns the engine and the peak bytes within each phase. The process group
     must exist."""
     from ..estimate.models import check_positions, position_table
-    from ..initialize import initialize
+    from ..engine.build import initialize
 
     table = position_table(model)   # fake tensors look no position up: refuse it here
     if table is not None:

@@ -8,15 +8,17 @@ stages have always imported them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import nn
 
+from ..comm import Communicator
 from ..errors import StateError
-from ..offload import CopyLedger
+from ..offload import CopyLedger, DeviceUpdater, HostUpdater, Storage
 from ..offload.traffic import HostTraffic
 from ..core.records import FROZEN, ShardRecord  # noqa: F401 (re-exported: the stages' old home of both)
+from .bucket_launch import GradientBuckets
 from .gradient_norm import NormSpan, prepare_gradients
 # re-exported: the engine, compile.py and the stages import the protocol from here
 from .protocol import CompileTarget, Stage, StepOutcome  # noqa: F401
@@ -69,6 +71,19 @@ class BucketedStage:
         buckets call :meth:`record_reduced`, a bound method rather than an object holding
         the norm, because ``grad_norm`` may be set after construction (tensor parallelism).
     """
+
+    # set by each subclass (the docstring above), declared here for the shared methods
+    optimizer: torch.optim.Optimizer
+    comm: Communicator
+    sharded: bool
+    storage: Storage
+    updater: "DeviceUpdater | HostUpdater"
+    buckets: GradientBuckets
+
+    if TYPE_CHECKING:   # implemented by each subclass
+        def shard_records(self) -> list[ShardRecord]: ...
+
+        def publish_record(self, k: int) -> None: ...
 
     _boundary = True
     data_parallel_world: Optional[int] = None   # ranks averaged over, if not comm's (MiCS)

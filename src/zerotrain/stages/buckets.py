@@ -74,13 +74,18 @@ class _FullAccumulation(GradientBuckets):
     def reduces_on(self, boundary: bool) -> bool:
         return boundary
 
+    def _full_of(self, g: int) -> torch.Tensor:
+        """Group ``g``'s full accumulator, allocated on first use."""
+        full = self._full[g]
+        if full is None:
+            full = self._full[g] = torch.zeros(self.layouts[g].padded_numel,
+                                               dtype=self.accum_dtype, device=self.device)
+        return full
+
     def _block_flat(self, g: int, block: Block) -> torch.Tensor:
         layout = self.layouts[g]
-        if self._full[g] is None:
-            self._full[g] = torch.zeros(layout.padded_numel, dtype=self.accum_dtype,
-                                        device=self.device)
         start = layout.world * block.shard_offset
-        return self._full[g][start: start + layout.block_full_numel(block)]
+        return self._full_of(g)[start: start + layout.block_full_numel(block)]
 
     def _accumulate(self, g, block, slot_index, grad) -> None:
         layout = self.layouts[g]
@@ -99,11 +104,13 @@ class AllReduceGrads(_FullAccumulation):
         wire = self._wire(flat)
         work = self.comm.all_reduce(wire, async_op=self.overlap,
                                     label=f"gradient bucket {g}.{block.index}")
-        self._track(work, None if wire is flat else lambda: flat.copy_(wire))
+        def copy_back() -> None:
+            flat.copy_(wire)
+
+        self._track(work, None if wire is flat else copy_back)
 
     def reduced_shard(self, g: int) -> torch.Tensor:
-        self._block_flat(g, self.layouts[g].blocks[0])  # allocate if nothing arrived
-        return self._full[g]
+        return self._full_of(g)  # allocated if nothing arrived
 
     def clear(self) -> None:
         for t in self._full:
@@ -129,15 +136,17 @@ class ReduceScatterAtBoundary(_FullAccumulation):
 
     def _shard_of(self, g: int) -> torch.Tensor:
         """The reduced shard, in the communication dtype: it holds one reduction only."""
-        if self._shard[g] is None:
-            self._shard[g] = torch.empty(self.layouts[g].shard_numel, dtype=self.comm_dtype,
-                                         device=self.device)
-        return self._shard[g]
+        shard = self._shard[g]
+        if shard is None:
+            shard = self._shard[g] = torch.empty(self.layouts[g].shard_numel,
+                                                 dtype=self.comm_dtype, device=self.device)
+        return shard
 
     def reduced_shard(self, g: int) -> torch.Tensor:
-        if self._shard[g] is None:
+        shard = self._shard[g]
+        if shard is None:
             raise StateError("no reduced gradient: step() before any boundary backward")
-        return self._shard[g]
+        return shard
 
     def clear(self) -> None:
         for t in self._full:
@@ -221,9 +230,10 @@ class ReduceScatterEveryMicroStep(GradientBuckets):
         self._track(work, done)
 
     def reduced_shard(self, g: int) -> torch.Tensor:
-        if self._shard[g] is None:
+        shard = self._shard[g]
+        if shard is None:
             raise StateError("no reduced gradient: step() before any backward")
-        return self._shard[g]
+        return shard
 
     def clear(self) -> None:
         """After the step the shard sum is consumed: free it (the next backward allocates

@@ -9,6 +9,7 @@ from torch import nn
 
 from .buckets import AllReduceGrads, ReduceScatterAtBoundary, ReduceScatterEveryMicroStep
 from ..comm import Communicator
+from ..config import ZeroTrainConfig
 from ..errors import ConfigError
 from ..offload import (DeviceStorage, OffloadPlan, Transfers, build_param_storage, build_storage,
                        build_updater, place_masters)
@@ -18,13 +19,14 @@ from .zero3.stage import PartitionedDataParallel
 from .base import Stage, StepOutcome
 from .zero12 import ShardedDataParallel, ShardPlan
 
-__all__ = ["Stage", "StepOutcome", "adopt", "build_stage", "shards_optimizer", "stage_class"]
+__all__ = ["Stage", "StepOutcome", "adopt", "build_stage", "deepspeed_kinds", "shards_optimizer",
+           "stage_class"]
 
 _GRAD_REDUCTION = {0: AllReduceGrads, 1: ReduceScatterAtBoundary,
                    2: ReduceScatterEveryMicroStep}
 
 
-def stage_class(stage: int) -> type:
+def stage_class(stage: int) -> type[PartitionedDataParallel] | type[ShardedDataParallel]:
     """The class of ``zero_optimization.stage``'s object, for what is asked of a stage
     before it exists (``partitions_parameters``); ConfigError for a stage that does not
     exist."""
@@ -39,6 +41,27 @@ def shards_optimizer(stage: int) -> bool:
     ranks (stages 1-3); stage 0 steps it whole on every rank, as DDP does."""
     stage_class(stage)   # refuses a stage that does not exist
     return stage != 0
+
+
+def deepspeed_kinds(config: ZeroTrainConfig) -> frozenset[str]:
+    """The DeepSpeed optimizer classes DeepSpeed 0.19 wraps this config's optimizer in.
+
+    Stage 3: ``DeepSpeedZeroOptimizer_Stage3``. Stage 1 with bf16 parameters, fp32 gradient
+    accumulation and no optimizer offload: ``BF16_Optimizer``. Stages 1-2 otherwise:
+    ``DeepSpeedZeroOptimizer``. Stage 0 in fp16 or bf16: ``FP16_Optimizer``; in fp32 the
+    bare torch optimizer (no kind).
+    """
+    stage = config.zero_optimization.stage
+    bf16, fp16 = config.bf16.enabled, config.fp16.enabled
+    offload = config.zero_optimization.offload_optimizer
+    offloaded = offload is not None and offload.device != "none"
+    if stage == 3:
+        return frozenset({"DeepSpeedZeroOptimizer_Stage3", "ZeROOptimizer"})
+    if stage == 1 and bf16 and config.data_types.grad_accum_dtype == "fp32" and not offloaded:
+        return frozenset({"BF16_Optimizer", "ZeROOptimizer"})
+    if stage in (1, 2):
+        return frozenset({"DeepSpeedZeroOptimizer", "ZeROOptimizer"})
+    return frozenset({"FP16_Optimizer"}) if (bf16 or fp16) else frozenset()
 
 
 def adopt(stage: int, module: nn.Module, comm: Communicator) -> None:

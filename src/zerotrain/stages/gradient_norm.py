@@ -71,15 +71,15 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
         sq = _reduce_with_fingerprint(sq, norm.comm, True)
     elif comm.world_size > 1:   # stage 0 too: the norm's all-reduce carries the fingerprint
         sq = _reduce_with_fingerprint(sq, comm, sharded)
-    norm = float(sq.sqrt().item()) / world / grad_scale
-    if not math.isfinite(norm):   # inf for nan too, as DeepSpeed reports an overflow
+    total = float(sq.sqrt().item()) / world / grad_scale
+    if not math.isfinite(total):   # inf for nan too, as DeepSpeed reports an overflow
         return StepOutcome(False, math.inf, _nonfinite_names(records, summed, comm, sharded))
     coef = 1.0 / grad_scale
     if clip > 0:
-        coef *= min(1.0, clip / (norm + 1e-6))
+        coef *= min(1.0, clip / (total + 1e-6))
     wire = list(wire) or [shard.dtype for shard in summed]
     return PreparedGradients(Gradients(list(summed), wire, world, coef, 1.0 / grad_scale),
-                             norm)
+                             total)
 
 
 def _reduce_with_fingerprint(sq: torch.Tensor, comm: Communicator,

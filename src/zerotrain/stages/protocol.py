@@ -48,7 +48,6 @@ class Stage(Protocol):
     """A ZeRO stage owns the gradients, the optimizer's shard and the parameter update."""
 
     optimizer: torch.optim.Optimizer
-    delays_update: bool   # the update finishes at ``settle`` (offload_optimizer.dpu)
     partitions_parameters: bool   # parameters are shards between uses (stage 3)
 
     def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
@@ -61,6 +60,10 @@ class Stage(Protocol):
     def reduce_local(self, boundary: bool) -> None:
         """Reduce what ``local`` backwards kept on this rank, as one backward with no
         gradients of its own would. Collective."""
+
+    @property
+    def delays_update(self) -> bool:
+        """The update finishes at ``settle`` (``offload_optimizer.dpu``)."""
 
     @property
     def reductions_this_window(self) -> int:

@@ -1,7 +1,7 @@
 """Splitting a model over the tensor-parallel group: ``parallelize`` (DeepSpeed's
 ``tp_model_init``, AutoTP training).
 
-Order (``initialize.py`` calls it after rank 0's weights are broadcast, before the stage):
+Order (``engine/build.py`` calls it after rank 0's weights are broadcast, before the stage):
 1. find the linear layers the rules split (``rules.py``) and check, on every rank before
    any change, that each split dimension and the model's head counts divide evenly;
 2. replace each by a :class:`~zerotrain.tp.layers.TensorParallelLinear` holding this

@@ -3,8 +3,8 @@
 ``checkpoint.load_checkpoint`` and ``consolidate`` hand a directory here when
 :func:`find_tag_dir` recognises it. Modules: ``unpickle`` (the restricted unpickler),
 ``files`` (which files a tag holds), ``layout`` (where each parameter's elements are),
-``source`` (a tag as parameters and small state), ``load`` (a tag, a Universal or a
-DCP folder as the load sequence's source),
+``source`` (a tag as parameters and small state; ``source_checks``: its files'
+structure), ``load`` (a tag, a Universal or a DCP folder as the load sequence's source),
 ``export`` (full fp32 tensors, one at a time). See ``docs/from-deepspeed.md``.
 """
 from __future__ import annotations

@@ -36,6 +36,7 @@ import torch
 
 from .. import client_state
 from ..manifest import MANIFEST_NAME, read_manifest
+from .write_common import DS_VERSION, group_members, model_states
 
 __all__ = ["get_checkpoint_files", "get_model_state_file", "get_model_state_files",
            "get_optim_files"]
@@ -91,8 +92,6 @@ def _is_zerotrain_tag(path: str) -> bool:
 
 def _stand_ins(tag_dir: str) -> str:
     """The folder of ``tag_dir``'s stand-in files, written on first use (Note above)."""
-    from .write import DS_VERSION, group_members, model_states   # write imports consolidate
-
     global _root
     stat = os.stat(os.path.join(tag_dir, MANIFEST_NAME))
     key = (os.path.realpath(tag_dir), stat.st_mtime_ns, stat.st_size)

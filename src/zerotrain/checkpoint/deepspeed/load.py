@@ -21,7 +21,7 @@ from ..manifest import MALFORMED, CheckpointError
 from ..match import check_model, json_group_values
 from ..staged_load import LoadOptions, load_staged
 from ..state import CheckpointReport, LoadResult, TrainingState
-from .source import malformed
+from .source_checks import malformed
 
 
 def load_foreign(state: TrainingState, path: str, open_checkpoint: Callable[[str], Any], *,

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import torch
 
 from .files import MODEL_FILE
-from .write import group_members, model_states, save_file
+from .write_common import group_members, model_states, save_file
 
 __all__ = ["MODEL_FILE", "live_module_state", "write_module_file"]
 

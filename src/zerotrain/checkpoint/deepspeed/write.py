@@ -36,14 +36,14 @@ from typing import Optional
 
 import torch
 
-from ...core.records import FROZEN
 from ..consolidate import export_specs, read_full, resolve_checkpoint
 from ..export_target import check_apart, publishing_tag
 from ..manifest import CheckpointError, file_identity_check, read_manifest
 from ..reshard import SourceIndex
 from ..stfile import Reader
+from .write3 import write_zero3
+from .write_common import DS_VERSION, group_members, group_state, model_states, save_file
 
-DS_VERSION = "0.19.8"
 ALIGNMENT_FACTOR = 2   # DeepSpeed's nccl_start_alignment_factor
 
 
@@ -68,7 +68,6 @@ def export_deepspeed(checkpoint_dir: str, output_dir: str, *, stage: int, world_
         module = OrderedDict((spec.key, read_full(index, reader, spec))
                              for spec in export_specs(manifest))
         if stage == 3:
-            from .write3 import write_zero3
             with publishing_tag(path, output_dir, out_tag) as tag_dir:
                 names = write_zero3(index, reader, manifest, module, members, tag_dir,
                                     world_size)
@@ -90,18 +89,6 @@ def _written(output_dir: str, tag: str, paths: list[str]) -> list[str]:
         os.path.join(output_dir, "latest")]
 
 
-def group_members(manifest: dict) -> list[list[str]]:
-    """Each optimizer group's parameter names in the module's order: the order DeepSpeed
-    flattens a group in (``param_shapes``)."""
-    order = {n: i for i, n in enumerate(manifest.get("state_dict_order", []))}
-    groups: dict[int, list[str]] = {}
-    for record in manifest["records"]:
-        if record["group_index"] != FROZEN:
-            groups.setdefault(record["group_index"], []).extend(record["names"])
-    return [sorted(groups.get(g, []), key=lambda n: order.get(n, len(order)))
-            for g in range(len(manifest["optimizer"]["param_groups"]))]
-
-
 def _flat_group(index: SourceIndex, reader: Reader, module: dict, names: list[str],
                 world: int) -> dict:
     """One optimizer group flattened DeepSpeed's way: ``{key: padded flat tensor}``, the
@@ -120,61 +107,6 @@ def _flat_group(index: SourceIndex, reader: Reader, module: dict, names: list[st
         cursor += numel
     return {"tensors": out, "names": names, "partition": padded // world, "padding": padded - total,
             "step": step}
-
-
-def group_state(index: SourceIndex, names: list[str]) -> tuple[list[str], Optional[float]]:
-    """The optimizer state keys and the Adam step of one group's parameters, which DeepSpeed
-    keeps once per group (raises naming the parameter or the steps that differ)."""
-    records = [index.params[n].record for n in names]
-    keys = list(records[0]["state_tensors"]) if records else []
-    for name, record in zip(names, records):
-        if list(record["state_tensors"]) != keys:
-            raise CheckpointError(f"parameter {name!r} has optimizer state "
-                                  f"{record['state_tensors']}, others of its group {keys}")
-    steps = {float(r["state_scalars"]["step"]["value"]) for r in records
-             if "step" in r["state_scalars"]}
-    if len(steps) > 1:
-        raise CheckpointError(f"the parameters of one optimizer group have different Adam "
-                              f"steps {sorted(steps)}; DeepSpeed keeps one per group")
-    return keys, (steps.pop() if steps else None)
-
-
-def model_states(manifest: dict, module: dict, members: list[list[str]], world: int) -> dict:
-    """DeepSpeed's model-states dict: ``module`` as given, shapes from the manifest."""
-    in_groups = {n for names in members for n in names}
-    shapes = {n: s for r in manifest["records"] for n, s in zip(r["names"], r["shapes"])}
-    buffers = [e["name"] for e in manifest["buffers"]]
-    frozen = [e for e in manifest["frozen"]]
-    counters = manifest["counters"]
-    states = {
-        "module": module,
-        "buffer_names": buffers,
-        "optimizer": None,
-        "param_shapes": [OrderedDict((n, torch.Size(shapes[n])) for n in names)
-                         for names in members],
-        "frozen_param_shapes": OrderedDict((e["name"], torch.Size(e["shape"])) for e in frozen
-                                           if e["name"] not in in_groups
-                                           and e["name"] in module),
-        "shared_params": {},
-        # DeepSpeed's stage 2 saves each frozen parameter whole here; its zero_to_fp32 reads
-        # them from it (an entry of frozen_param_shapes without one is a KeyError there)
-        "frozen_param_fragments": OrderedDict((e["name"], module[e["name"]]) for e in frozen
-                                              if e["name"] not in in_groups
-                                              and e["name"] in module),
-        "lr_scheduler": manifest.get("lr_scheduler"),
-        "data_sampler": None,
-        "random_ltd": None,
-        "skipped_steps": int(counters["skipped_steps"]),
-        "global_steps": int(counters["global_steps"]),
-        "global_samples": int(counters["global_samples"]),
-        "dp_world_size": world,
-        "mp_world_size": 1,
-        "ds_version": DS_VERSION,
-    }
-    client = manifest.get("client_state") or {}
-    if isinstance(client, dict) and not manifest.get("client_state_file"):
-        states.update({k: v for k, v in client.items() if k not in states})
-    return states
 
 
 def _optim_states(saved_groups: list[dict], flats: list[dict], rank: int, world: int,
@@ -212,15 +144,3 @@ def _shapes(flats: list[dict]) -> list[list]:
     return [f["names"] for f in flats]
 
 
-def save_file(value: dict, path: str, *, pickler: bool = False) -> str:
-    """``torch.save`` with a named error; ``pickler``: through ``write3``'s pickler, which
-    writes DeepSpeed's loss scaler by class name."""
-    try:
-        if pickler:
-            from .write3 import PICKLE_MODULE
-            torch.save(value, path, pickle_module=PICKLE_MODULE)
-        else:
-            torch.save(value, path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return path

@@ -20,15 +20,13 @@ Note: what DeepSpeed 0.19's stage 3 loader needs
     partitions) and ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``, which stage 3's
     loader reads unconditionally. The loss scaler is the one object DeepSpeed pickles by
     class: it is written as a reference to DeepSpeed's class with plain attributes
-    (:class:`_DeepSpeedPickler`), so DeepSpeed need not be installed to write it and
+    (:class:`write_common.DeepSpeedPickler`), so DeepSpeed need not be installed to write it and
     zerotrain's restricted unpickler reads it back as a record.
 """
 from __future__ import annotations
 
 import math
 import os
-import pickle
-import types
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -37,7 +35,7 @@ import torch
 
 from ..reshard import SourceIndex
 from ..stfile import Reader
-from .write import DS_VERSION, group_state, model_states, save_file
+from .write_common import DS_VERSION, DeepSpeedObject, group_state, model_states, save_file
 
 SUB_GROUP_SIZE = 1_000_000_000        # DeepSpeed's zero_optimization.sub_group_size default
 
@@ -160,43 +158,14 @@ def _optim_states(saved_groups: list[dict], groups: list[list[_SubGroup]],
         "ds_version": DS_VERSION}, "ds_version": DS_VERSION}
 
 
-# ------------------------------------------------------------------ DeepSpeed's loss scaler
-class _DeepSpeedObject:
-    """An object of a DeepSpeed class: its dotted class name and its ``__dict__``."""
-
-    def __init__(self, qualname: str, state: dict) -> None:
-        self.qualname, self.state = qualname, state
-
-    def __reduce__(self) -> tuple:
-        raise TypeError(f"{self.qualname} is written by _DeepSpeedPickler only")
-
-
-class _DeepSpeedPickler(pickle._Pickler):   # the Python pickler: ``save`` can be extended
-    """Writes a :class:`_DeepSpeedObject` as protocol 2 writes an instance (GLOBAL naming
-    the class, NEWOBJ, BUILD with its ``__dict__``): where DeepSpeed is installed it reads
-    back as DeepSpeed's own object."""
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if not isinstance(obj, _DeepSpeedObject):
-            return super().save(obj, save_persistent_id)
-        module, _, name = obj.qualname.rpartition(".")
-        self.write(pickle.GLOBAL + f"{module}\n{name}\n".encode("ascii"))
-        self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
-        super().save(obj.state)
-        self.write(pickle.BUILD)
-
-
-PICKLE_MODULE = types.SimpleNamespace(Pickler=_DeepSpeedPickler, __name__="pickle")
-
-
-def _loss_scaler(state: Optional[dict]) -> _DeepSpeedObject:
+def _loss_scaler(state: Optional[dict]) -> DeepSpeedObject:
     """DeepSpeed's loss scaler for zerotrain's ``LossScaler.state_dict()`` (None: fp32 and
     bf16, DeepSpeed's static scale of 1): the inverse of the import's mapping."""
     root = "deepspeed.runtime.fp16.loss_scaler."
     if not state or not state.get("dynamic"):
         scale = float(state.get("loss_scale", 1.0)) if state else 1.0
-        return _DeepSpeedObject(root + "LossScaler", {"cur_scale": scale, "dynamic": False})
-    return _DeepSpeedObject(root + "DynamicLossScaler", {
+        return DeepSpeedObject(root + "LossScaler", {"cur_scale": scale, "dynamic": False})
+    return DeepSpeedObject(root + "DynamicLossScaler", {
         "cur_scale": float(state["loss_scale"]), "dynamic": True,
         "cur_iter": int(state.get("cur_iter", 0)),
         "last_overflow_iter": int(state.get("last_overflow_iter", -1)),

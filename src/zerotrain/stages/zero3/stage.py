@@ -21,11 +21,10 @@ Note: one stage-3 step
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,14 +33,15 @@ from ..buckets import ReduceScatterEveryMicroStep
 from ...comm import Communicator
 from ...offload import Storage
 from ...core.precision import PrecisionPolicy
-from ..base import FROZEN, BucketedStage, CompileTarget, RecordArrivals, ShardRecord
+from ..base import FROZEN, BucketedStage, RecordArrivals, ShardRecord
 from . import partition as P
-from ...errors import RankDivergenceError, StateError
+from ...errors import RankDivergenceError
 from .gather_check import CALLS
 from .hierarchical import build_groups
-from .hooks import hooks_set_aside, install_module_hooks, unit_users
+from .hooks import install_module_hooks
 from .lockstep import mark_lockstep
 from .scheduler import GatherPolicy, UnitScheduler
+from .stage_hooks import UnitHooks, warn_if_partitioned
 from .zero_init import GatheredParameters
 from .plan import use_launch_plans
 from .leaf import apply_leaf_module_config
@@ -52,7 +52,8 @@ from .usage import UsageRecords
 
 logger = logging.getLogger(__name__)
 
-class PartitionedDataParallel(BucketedStage):
+
+class PartitionedDataParallel(UnitHooks, BucketedStage):
     """Stage 3 over ``module``; parameters outside forward/backward are empty tensors."""
 
     partitions_parameters = True
@@ -134,7 +135,7 @@ class PartitionedDataParallel(BucketedStage):
         self._handles = install_module_hooks(module, self.units, self.scheduler, usage)
         use_launch_plans(self, reduce_scatter)   # Note "launch plans" in plan.py
         mark_lockstep(module, True)
-        self._handles.append(module.register_state_dict_post_hook(_warn_if_partitioned))
+        self._handles.append(module.register_state_dict_post_hook(warn_if_partitioned))
         for r, (unit, s) in enumerate(self._records):
             for index, i in enumerate(s.indices):
                 hook = functools.partial(self._on_grad, r, index, unit)
@@ -239,44 +240,6 @@ class PartitionedDataParallel(BucketedStage):
             if not (unit.spec.persistent or unit.held or unit.state is UnitState.RELEASED):
                 unit.release()
 
-    def forward_hook_handles(self) -> list[Any]:
-        """The handles of the module hooks that gather units in forward (DeepSpeed's
-        ``forward_hooks``); none while :meth:`forward_hooks_set_aside` holds them."""
-        if getattr(self, "_forward_hooks_aside", False):
-            return []
-        dicts = {id(d) for m in self.module.modules()
-                 for d in (m._forward_pre_hooks, m._forward_hooks)}
-        return [h for h in self._handles if id(h.hooks_dict_ref()) in dicts]
-
-    def reinstall_forward_hooks(self) -> None:
-        """The forward hooks registered afresh on every module (DeepSpeed's
-        ``_register_deepspeed_module`` on the root, which TRL calls after removing them
-        around generation); any still registered are removed first, so none runs twice.
-        The scheduler's trace is re-recorded at the next pass. Local."""
-        if getattr(self, "_forward_hooks_aside", False):
-            raise StateError("stage 3's forward hooks cannot be registered again inside "
-                             "unwrap_model_for_generation, which puts them back at its end")
-        old = self.forward_hook_handles()
-        for handle in old:
-            handle.remove()
-        gone = {id(h) for h in old}
-        self._handles = install_module_hooks(self.module, self.units, self.scheduler,
-                                             self.scheduler.usage) + [
-            h for h in self._handles if id(h) not in gone]
-        self.scheduler.forget_trace()
-
-    @contextlib.contextmanager
-    def forward_hooks_set_aside(self) -> Iterator[None]:
-        """The forward hooks out of the modules for the block, back after in their order
-        (DeepSpeed's ``unwrap_model_for_generation``; the caller gathers the parameters)."""
-        handles = self.forward_hook_handles()
-        self._forward_hooks_aside = True
-        try:
-            with hooks_set_aside(handles):
-                yield
-        finally:
-            self._forward_hooks_aside = False
-
     def publish_parameters(self) -> None:
         """After a load: frozen shards follow their (loaded) masters, int8 ones are quantized
         from what a load wrote into their records (Note: int8 frozen records), then the
@@ -308,28 +271,6 @@ class PartitionedDataParallel(BucketedStage):
         """Persistent units re-gather (collective); the others gather at their next use."""
         for unit in self.units:
             unit.regather()
-
-    def compile_targets(self, module: nn.Module) -> list[CompileTarget]:
-        """Unit modules that contain no other unit module (the blocks): their forwards
-        compile whole while the hooks that gather them stay outside (Note "compiled
-        units")."""
-        own: dict[int, set[int]] = {}
-        for u in self.units:
-            if not u.spec.persistent:
-                own.setdefault(id(u.spec.module), set()).add(u.spec.index)
-        hooked = {id(module)} | set(own)
-        users = unit_users(self.module, self.units)
-        targets = []
-        for name, sub in module.named_modules():
-            inner = list(sub.modules())[1:]
-            if id(sub) not in hooked or any(id(m) in hooked for m in inner):
-                continue
-            quiet = {id(d) for m in inner if set(users.get(m, ())) <= own.get(id(sub), set())
-                     for d in (m._forward_pre_hooks, m._forward_hooks)}
-            handles = [h for h in self._handles if id(h.hooks_dict_ref()) in quiet]
-            targets.append(CompileTarget(name, sub, functools.partial(hooks_set_aside,
-                                                                      handles)))
-        return targets
 
     # ------------------------------------------------------------------ state
     def shard_records(self) -> list[ShardRecord]:
@@ -443,28 +384,6 @@ class PartitionedDataParallel(BucketedStage):
                 t for t in list(self.optimizer.state.get(master, {}).values())
                 if isinstance(t, torch.Tensor)]
         return out
-
-
-def _warn_if_partitioned(module: nn.Module, state_dict: dict, prefix: str,
-                         local_metadata: Any) -> None:
-    """``model.state_dict()`` outside ``GatheredParameters`` holds the partitioned
-    parameters' empty placeholders (as in DeepSpeed); saving it (``torch.save``,
-    ``save_pretrained``) would write an empty model without a word, so say so, once per
-    model. ``state_dict(keep_vars=True)`` (for its keys; zerotrain's own calls) is quiet."""
-    if getattr(module, "_zerotrain_warned_state_dict", False):
-        return
-    for name, param in module.named_parameters():
-        value = state_dict.get(prefix + name)
-        if (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
-                and P.is_partitioned(param) and value.shape != P.full_shape(param)):
-            module._zerotrain_warned_state_dict = True
-            logger.warning(
-                "state_dict() of a ZeRO stage-3 model holds partitioned parameters, e.g. "
-                "%r of shape %s for %s: saving it writes no weights. Use "
-                "engine.save_16bit_model(dir), save_checkpoint and `zerotrain consolidate`, "
-                "or call state_dict() inside zerotrain.zero.GatheredParameters(...)",
-                prefix + name, tuple(value.shape), tuple(P.full_shape(param)))
-            return
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .errors import ConfigError, StateError
-from .muon.sharded import MATRIX_OPTIMIZERS, ShardedMuon
+from ..errors import ConfigError, StateError
+from ..muon.sharded import MATRIX_OPTIMIZERS, ShardedMuon
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "fused"}
 
@@ -133,7 +133,7 @@ class ZeroOptimizer:
                  norm_groups: Optional[Callable[[], list]] = None,
                  last_norm: Optional[Callable[[], Optional[float]]] = None) -> None:
         self.optimizer = optimizer
-        self.deepspeed_kinds = deepspeed_kinds   # optim_kinds: DeepSpeed's classes, isinstance
+        self.deepspeed_kinds = deepspeed_kinds   # optim/kinds.py: DeepSpeed's classes, isinstance
         self._norm_groups, self._last_norm = norm_groups, last_norm
 
     @property

@@ -34,31 +34,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import recompute
-from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
+from .. import recompute
+from ..comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distributed,
                    select_device, set_group_timeout)
-from .comm.mesh import build_mesh
-from .engine.compile import refuse_precompiled
-from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
+from ..comm.mesh import build_mesh
+from .compile import refuse_precompiled
+from ..config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
-from .dataloader import DistributedLoader
+from ..dataloader import DistributedLoader
 from .engine import ZeroEngine
-from .engine.fingerprint import check_same_across_ranks, fingerprint
-from .engine.optimizer_choice import (no_optimizer, optimizer_factory,
+from .fingerprint import check_same_across_ranks, fingerprint
+from .optimizer_choice import (no_optimizer, optimizer_factory,
                                       refuse_offloaded_client_optimizer, scheduler_for,
                                       trainable_groups)
-from .engine.ownership import close_stage, open_stage_of
-from .engine.resume import auto_resume
-from .errors import ConfigError
-from .muon import setup as muon_setup
-from .optim import check_client_optimizer
-from .core.precision import PrecisionPolicy
-from .utils import register_engine
-from .stages.factory import adopt, build_stage, stage_class
-from .tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
-from .tp.zero3 import check_stage3
-from .stages.zero3.partition import is_partitioned
-from .stages.zero3.zero_init import unpartition
+from .ownership import close_stage, open_stage_of
+from .resume import auto_resume
+from ..errors import ConfigError
+from ..muon import setup as muon_setup
+from ..optim import check_client_optimizer
+from ..core.precision import PrecisionPolicy
+from .full_params import register_engine
+from ..stages.factory import adopt, build_stage, stage_class
+from ..tp import TensorParallelPlan, TensorParallelStage, check_recorded, parallelize
+from ..tp.zero3 import check_stage3
+from ..stages.zero3.partition import is_partitioned
+from ..stages.zero3.zero_init import unpartition
 
 logger = logging.getLogger(__name__)
 

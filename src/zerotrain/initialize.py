@@ -119,7 +119,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     device = _device()   # before the communicator: it reads the current CUDA device
     comm = Communicator(debug=cfg.debug)
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
-    policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
+    policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype,
+                                        cfg.master_dtype)
     check_recorded(model, cfg.tensor_parallel.size, policy.param_dtype)   # tp_model_init
     cfg = _check_sections(cfg, optimizer, lr_scheduler)
     held = open_stage_of(model)

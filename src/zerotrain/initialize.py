@@ -39,6 +39,7 @@ from .comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distribut
                    select_device, set_group_timeout)
 from .comm.mesh import build_mesh
 from .engine.compile import refuse_precompiled
+from .engine.autocast import check_reduction as check_autocast_reduction
 from .config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
 from .dataloader import DistributedLoader
@@ -119,8 +120,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     device = _device()   # before the communicator: it reads the current CUDA device
     comm = Communicator(debug=cfg.debug)
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
-    policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype,
-                                        cfg.master_dtype)
+    # torch_autocast: every gradient reduced in fp32 (engine/autocast.py, Note "what is
+    # honoured"), whatever communication_data_type says, as DeepSpeed's autocast does
+    policy = PrecisionPolicy.from_names(
+        cfg.precision, cfg.grad_accum_dtype,
+        None if cfg.torch_autocast.enabled else cfg.comm_dtype, cfg.master_dtype)
     check_recorded(model, cfg.tensor_parallel.size, policy.param_dtype)   # tp_model_init
     cfg = _check_sections(cfg, optimizer, lr_scheduler)
     held = open_stage_of(model)
@@ -138,6 +142,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         recompute.configure(None, deepspeed_config=cfg)
 
+    check_autocast_reduction(cfg, model)   # torch_autocast: before anything is built
     adopt(cfg.zero_optimization.stage, model, comm)   # stages 0-2 train full parameters
     model = _place_module(model, device, policy.param_dtype)
     check_same_across_ranks(comm, fingerprint(model, cfg))

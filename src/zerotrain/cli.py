@@ -90,7 +90,9 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
                    help="nodes (default 1)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="training precision; bf16/fp16 mean mixed precision (default bf16)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="default adam")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="default adam; adam-bf16: bf16 masters, gradients and moments "
+                        "(bf16.bf16_master_weights_and_grads, bf16_optimizer_states)")
     p.add_argument("--tp", type=_typed(_whole(MAX_WORLD)), default=1, metavar="T",
                    help="tensor_parallel.autotp_size: AutoTP over groups of T GPUs (must "
                    "divide the GPUs and the model's heads; default 1)")
@@ -365,6 +367,9 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return run_trace(args, parser)
     if args.write and not args.gpu_memory:
         parser.error("argument --write: needs --gpu-memory to choose the stage to write")
+    if args.optimizer == "adam-bf16" and args.dtype != "bf16":
+        parser.error(f"argument --optimizer: adam-bf16 keeps bf16 master weights beside bf16 "
+                     f"parameters; it needs --dtype bf16, not {args.dtype}")
     shape = _model_shape(parser, args.model) if args.model else None
     if (args.micro_batch or args.seq_len) and shape is None:
         parser.error("argument --micro-batch/--seq-len: the activation estimate needs "

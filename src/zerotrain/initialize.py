@@ -120,8 +120,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     device = _device()   # before the communicator: it reads the current CUDA device
     comm = Communicator(debug=cfg.debug)
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
-    # torch_autocast: every gradient reduced in fp32 (engine/autocast.py, Note "what is
-    # honoured"), whatever communication_data_type says, as DeepSpeed's autocast does
+    # torch_autocast: every gradient reduced in the parameters' dtype (engine/autocast.py,
+    # Note "what is honoured"), whatever communication_data_type says, as DeepSpeed's does
     policy = PrecisionPolicy.from_names(
         cfg.precision, cfg.grad_accum_dtype,
         None if cfg.torch_autocast.enabled else cfg.comm_dtype, cfg.master_dtype)

@@ -59,13 +59,23 @@ def test_bf16_masters_make_masters_and_gradients_bf16():
                "bf16_optimizer_states": False},
       "torch_autocast": {"enabled": True, "dtype": "float16"}}, ConfigError,
      r"^torch_autocast.dtype: fp16 autocast .*not implemented"),
-    ({"torch_autocast": {"enabled": True}}, ConfigError,
-     r"^torch_autocast.enabled: torch_autocast keeps fp32 parameters and bf16.enabled"),
+    ({"bf16": {"enabled": False, "bf16_master_weights_and_grads": False,
+               "bf16_optimizer_states": False}, "fp16": {"enabled": True},
+      "torch_autocast": {"enabled": True}}, ConfigError,
+     r"^torch_autocast.enabled: torch_autocast beside fp16.enabled .*not implemented"),
 ])
 def test_combinations_deepspeed_or_zerotrain_refuse_are_refused_by_name(change, error,
                                                                          message):
     with pytest.raises(error, match=message):
         load_config(_with(**change), world_size=1)
+
+
+def test_deepspeeds_bf16_example_config_loads():
+    """DeepSpeedExamples training/bf16_master_weight/configs/bf16_full.json's keys: bf16
+    masters and moments beside torch_autocast."""
+    config = load_config(_with(zero_optimization={"stage": 3}, torch_autocast={
+        "enabled": True, "dtype": "torch.bfloat16"}), world_size=1)
+    assert config.master_dtype == "bf16" and config.torch_autocast.enabled
 
 
 def test_torch_autocast_section_is_read_not_ignored():

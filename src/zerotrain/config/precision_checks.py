@@ -54,18 +54,19 @@ def check_bf16_masters(result: ZeroTrainConfig) -> None:
 
 
 def check_torch_autocast(result: ZeroTrainConfig) -> None:
-    """``torch_autocast`` trains fp32 parameters under ``torch.autocast``: refused beside
-    ``bf16``/``fp16`` (16-bit parameters), and with an fp16 dtype (DeepSpeed's GradScaler
-    path, not implemented). Which parameters it reduces in 16 bits is checked against the
-    model at ``initialize`` (``engine/autocast.py``)."""
+    """``torch_autocast`` runs the forward under ``torch.autocast`` over fp32 or bf16
+    parameters (DeepSpeed's bf16 example sets it beside ``bf16``); refused beside ``fp16``
+    (DeepSpeed would reduce the gradients of its Linear layers in the autocast dtype and the
+    others in fp16) and with an fp16 dtype (DeepSpeed's GradScaler path, not implemented).
+    Which parameters it reduces in another dtype is checked against the model at
+    ``initialize`` (``engine/autocast.py``)."""
     section = result.torch_autocast
     if not section.enabled:
         return
-    for other in ("bf16", "fp16"):
-        if getattr(result, other).enabled:
-            raise ConfigError("torch_autocast.enabled", f"torch_autocast keeps fp32 parameters "
-                              f"and {other}.enabled makes them 16-bit; enable one of them",
-                              value=True)
+    if result.fp16.enabled:
+        raise ConfigError("torch_autocast.enabled", "torch_autocast beside fp16.enabled (fp16 "
+                          "parameters) is not implemented; use bf16.enabled or fp32 "
+                          "parameters", value=True)
     if section.dtype is not None and AUTOCAST_DTYPES[section.dtype] == "fp16":
         raise ConfigError("torch_autocast.dtype", "fp16 autocast (DeepSpeed scales its loss "
                           "with torch.amp.GradScaler) is not implemented; use \"bfloat16\"",

@@ -2,17 +2,21 @@
 ``torch.autocast``.
 
 Note: what is honoured
-    DeepSpeed 0.19.8 (``runtime/torch_autocast.py``) keeps the parameters, their masters and
-    the optimizer in fp32 and runs the engine's forward under ``torch.autocast(dtype)``
+    DeepSpeed 0.19.8 (``runtime/torch_autocast.py``) keeps the parameters in their dtype
+    (fp32, or bf16 beside ``bf16.enabled``) and runs the engine's forward under
+    ``torch.autocast(dtype)``
     (replacing an autocast the caller opened; DeepSpeed also turns off one the caller
     opened when the section is off, which zerotrain does not). It also tags the parameters of ``lower_precision_safe_modules``
     (torch's Linear and Conv1d/2d/3d unless listed) with the autocast dtype: their
     gradients are reduced in that dtype, and at stage 3 they are gathered in it; all other
-    gradients are reduced in fp32. zerotrain reduces every gradient of a stage in one
-    dtype, so it honours the section where no trained parameter is tagged (the list
-    names no module class of the model, e.g. ``[]``), and refuses by name, at
-    ``initialize``, a model with tagged parameters; ``dtype`` fp16 (DeepSpeed's GradScaler
-    path) is refused in ``config/precision_checks.py``.
+    gradients are reduced in their own dtype (``communication_data_type`` is not read).
+    zerotrain reduces every gradient of a stage in one dtype, so it honours the section
+    where that is what DeepSpeed does: bf16 parameters under a bf16 autocast (every
+    gradient in bf16), or fp32 parameters with no trained parameter tagged (the list
+    names no module class of the model, e.g. ``[]``: every gradient in fp32); a model
+    with fp32 parameters tagged is refused by name at ``initialize``; ``dtype`` fp16
+    (DeepSpeed's GradScaler path) and ``fp16.enabled`` are refused in
+    ``config/precision_checks.py``.
 """
 from __future__ import annotations
 
@@ -66,8 +70,14 @@ def autocast_dtype(config: ZeroTrainConfig, device: torch.device) -> Optional[to
 
 def check_reduction(config: ZeroTrainConfig, model: nn.Module) -> None:
     """Refuse a model whose trained parameters DeepSpeed would reduce in the autocast dtype
-    (Note: what is honoured), naming them."""
+    while others are reduced in their own (Note: what is honoured), naming them. With bf16
+    parameters and a bf16 autocast the two are one dtype: every gradient is reduced in
+    bf16, as zerotrain reduces bf16 gradients."""
     if not config.torch_autocast.enabled:
+        return
+    dtype = autocast_dtype(config, torch.device("cpu"))
+    if config.precision == "bf16" and (config.torch_autocast.dtype is None
+                                       or dtype == torch.bfloat16):
         return
     classes = safe_module_classes(config.torch_autocast.lower_precision_safe_modules)
     tagged = [f"{prefix}.{name}" if prefix else name

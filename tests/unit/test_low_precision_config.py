@@ -111,3 +111,12 @@ def test_estimator_writes_a_config_with_the_bf16_keys_that_loads():
         warnings.simplefilter("error")
         loaded = load_config(json.loads(json.dumps(config)), world_size=8)
     assert loaded.master_dtype == "bf16"
+
+
+def test_demo_report_puts_bf16_masters_beside_their_own_formula():
+    from zerotrain.demo.report import _memory_lines
+    results = {"num_params": 1000, "world_size": 2, "stage": 2,
+               "memory": [{"parameters": 2000, "optimizer_state": 3000}]}
+    config = {"optimizer": {"type": "AdamW"}, "bf16": dict(BASE["bf16"])}
+    text = "\n".join(_memory_lines(results, config))
+    assert "6Ψ/N = 0.00" in text and "adam-bf16" in text and "fp32 accum" not in text

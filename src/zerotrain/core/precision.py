@@ -13,7 +13,7 @@ Note: bf16 masters
     are accumulated and reduced in bf16 (``grad_accum_dtype``), and the optimizer, stepping
     bf16 tensors, creates its state in bf16. Each update still averages, unscales and clips
     in fp32 and rounds the result to bf16 once (``offload/gradients.as_grad_of``). What is
-    lost: an update smaller than half a bf16 ulp of the weight (2**-9 relative) is rounded
+    lost: an update smaller than half a bf16 ulp of the weight (2**-9 to 2**-8 of it) is rounded
     away, where fp32 masters would accumulate it (docs/memory.md).
 """
 from __future__ import annotations

@@ -46,6 +46,7 @@ from .dataloader import DistributedLoader
 from .engine import ZeroEngine
 from .engine.fingerprint import check_same_across_ranks, fingerprint
 from .engine.optimizer_choice import (no_optimizer, optimizer_factory,
+                                      refuse_fp32_cpu_adam_states,
                                       refuse_offloaded_client_optimizer, scheduler_for,
                                       trainable_groups)
 from .engine.ownership import close_stage, open_stage_of
@@ -137,6 +138,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         release_model(model)
     if optimizer is not None:
         refuse_offloaded_client_optimizer(cfg, optimizer)   # before, as in DeepSpeed
+        refuse_fp32_cpu_adam_states(cfg, optimizer)
         check_client_optimizer(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
     inference = optimizer is None and cfg.optimizer is None   # an engine for forward only
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would

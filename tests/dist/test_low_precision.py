@@ -277,3 +277,35 @@ def test_low_precision_matches_deepspeed_at_stages_1_to_3(worlds, tmp_path):
             # CPU ranks), the fp32 reductions of autocast too
             assert _close(zt["weights"], weights, 0.0), (mode, stage, zt, ds)
             assert zt["losses"] == ds["losses"], (mode, stage, zt["losses"], ds["losses"])
+
+
+def _client_cpu_adam(rank, world, fp32_states):
+    import zerotrain
+    from zerotrain.ops.adam import DeepSpeedCPUAdam
+    config = C.config("bf16", 2)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    params = dict(config.pop("optimizer")["params"])
+    params["betas"] = tuple(params["betas"])
+    model = C.model()
+    client = DeepSpeedCPUAdam(model.parameters(), fp32_optimizer_states=fp32_states, **params)
+    try:
+        engine, *_ = zerotrain.initialize(model=model, optimizer=client, config=config)
+    except zerotrain.ConfigError as exc:
+        return {"error": str(exc), "assertion": isinstance(exc, AssertionError)}
+    _train(engine, "bf16", rank, world)
+    out = {"weights": _full(engine)}
+    engine.destroy()
+    return out
+
+
+def test_client_cpu_adam_with_bf16_states_needs_16bit_moments_as_in_deepspeed(worlds):
+    """Offloaded, a client DeepSpeedCPUAdam must be built with fp32_optimizer_states=False
+    beside bf16_optimizer_states (DeepSpeed asserts it); so built it trains as the config's
+    optimizer does."""
+    refused = worlds.run(2, _client_cpu_adam, True)[0]
+    assert refused["assertion"] and refused["error"].startswith(
+        "bf16.bf16_optimizer_states: bf16_optimizer_states with ZeRO-Offload requires "
+        "DeepSpeedCPUAdam constructed with fp32_optimizer_states=False"), refused
+    client = worlds.run(2, _client_cpu_adam, False)[0]
+    config = worlds.run(2, _runs, "bf16", [(2, True)])[0][(2, True)]
+    assert _close(client["weights"], config["weights"], 0.0)

@@ -60,7 +60,7 @@ class BF16Config(_Section):
 
     ``bf16_master_weights_and_grads``: the master weights and the reduced gradients are
     kept in bf16, not fp32; ``bf16_optimizer_states``: the optimizer's state too (DeepSpeed's
-    keys and checks, ``checks._check_bf16_masters``; Note "bf16 masters" in
+    keys and checks, ``precision_checks.check_bf16_masters``; Note "bf16 masters" in
     ``core/precision.py``)."""
 
     enabled: bool = False
@@ -75,10 +75,11 @@ AUTOCAST_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.flo
 
 
 class TorchAutocastConfig(_Section):
-    """DeepSpeed's ``torch_autocast``: fp32 parameters, the forward under ``torch.autocast``
-    (``dtype``; unset: torch's default for the device), and the gradients of the parameters
-    of ``lower_precision_safe_modules`` (default: torch's Linear and Conv1d/2d/3d) reduced in
-    that dtype (``engine/autocast.py``)."""
+    """DeepSpeed's ``torch_autocast``: the engine's forward under ``torch.autocast``
+    (``dtype``; unset: torch's default for the device) over fp32 or bf16 parameters, and the
+    gradients of the parameters of ``lower_precision_safe_modules`` (default: torch's Linear
+    and Conv1d/2d/3d) reduced in that dtype (what zerotrain honours: Note "what is
+    honoured" in ``engine/autocast.py``)."""
 
     enabled: bool = False
     dtype: Optional[Literal["fp16", "float16", "half", "torch.float16", "bf16", "bfloat16",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import json
 import warnings
 
@@ -120,3 +121,26 @@ def test_demo_report_puts_bf16_masters_beside_their_own_formula():
     config = {"optimizer": {"type": "AdamW"}, "bf16": dict(BASE["bf16"])}
     text = "\n".join(_memory_lines(results, config))
     assert "6Ψ/N = 0.00" in text and "adam-bf16" in text and "fp32 accum" not in text
+
+
+_TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
+                     "configs", "gpt2-tiny.json")
+
+
+def test_traced_step_with_bf16_states_holds_half_the_optimizer_state(capsys):
+    """``zerotrain estimate --optimizer adam-bf16`` with a traced step: the planner runs the
+    engine with the two bf16 keys, so its peak holds bf16 masters, moments and gradients."""
+    from zerotrain.cli import main
+    peaks = {}
+    for optimizer in ("adam", "adam-bf16"):
+        assert main(["estimate", "--model", _TINY, "--micro-batch", "2", "--seq-len", "32",
+                     "--gpus", "2", "--stage", "1", "--backend", "gloo", "--json",
+                     "--optimizer", optimizer]) == 0
+        peaks[optimizer] = json.loads(capsys.readouterr().out)["breakdown"]
+    # half, but for Adam's step counters (a few scalar tensors)
+    assert abs(peaks["adam-bf16"]["optimizer_state"] * 2 - peaks["adam"]["optimizer_state"]) <= 16
+    assert peaks["adam-bf16"]["gradients"] * 2 == peaks["adam"]["gradients"]   # bf16, not fp32
+    with pytest.raises(SystemExit):
+        main(["estimate", "--model", _TINY, "--micro-batch", "2", "--seq-len", "32",
+              "--stage", "0", "--optimizer", "adam-bf16"])
+    assert "needs ZeRO stage 1, 2 or 3" in capsys.readouterr().err

@@ -38,6 +38,8 @@ class StepSpec:
     gradient_accumulation: int = 1
     backend: str = "nccl"          # nccl | gloo (Note: the backend's own buffers)
     tp: int = 1                    # tensor_parallel.autotp_size
+    # bf16.bf16_master_weights_and_grads with bf16_optimizer_states (stages 1-3, bf16)
+    bf16_states: bool = False
 
     @property
     def world(self) -> int:
@@ -144,6 +146,9 @@ def ds_config_for(spec: StepSpec) -> dict:
     }
     if spec.dtype in ("bf16", "fp16"):
         config[spec.dtype] = {"enabled": True}
+    if spec.bf16_states:
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                          "bf16_optimizer_states": True}
     if spec.tp > 1:
         config["tensor_parallel"] = {"autotp_size": spec.tp}
     return config

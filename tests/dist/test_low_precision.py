@@ -60,7 +60,9 @@ def _runs(rank, world, mode, cases):
             "params": sorted({str(p.dtype) for p in engine.module.parameters()}),
             "masters": sorted({str(r.master.dtype) for r in records}),
             "states": sorted({str(v.dtype) for r in records
-                              for v in r.optimizer_state.values() if v.dim()})}
+                              for v in r.optimizer_state.values() if v.dim()}),
+            "api": (engine.bf16_master_weights_and_gradients(), engine.bf16_optimizer_states(),
+                    engine.torch_autocast_enabled(), str(engine.torch_autocast_dtype()))}
         engine.destroy()
     return out
 
@@ -81,6 +83,9 @@ def test_bf16_masters_at_stages_1_to_3_match_one_process(worlds, mode, cases):
     for case in cases:
         got, ref = two[0][case], one[case]
         assert got["params"] == got["masters"] == got["states"] == ["torch.bfloat16"], case
+        autocast = mode == "bf16_autocast"
+        assert got["api"] == (True, True, autocast,
+                              "torch.bfloat16" if autocast else "None"), got["api"]
         assert two[1][case]["weights"].keys() == got["weights"].keys()
         # bit for bit: two ranks' sum is rounded to bf16 once, as one process's sum of
         # its two micro-steps is (the parity tests' rule at world size 2)
@@ -97,6 +102,7 @@ def test_torch_autocast_at_stages_1_to_3_matches_one_process(worlds):
     for case in cases:
         got = two[0][case]
         assert got["params"] == got["masters"] == got["states"] == ["torch.float32"], case
+        assert got["api"] == (False, False, True, "torch.bfloat16"), got["api"]
         assert _close(got["weights"], one[case]["weights"], 0.0), case
         # the engine's forward ran under autocast: the losses are those of the module
         # under torch.autocast(bfloat16), not of the fp32 module

@@ -69,7 +69,9 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
                    help="nodes (default 1)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="training precision; bf16/fp16 mean mixed precision (default bf16)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="default adam")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="default adam; adam-bf16: bf16 masters, gradients and moments "
+                        "(bf16.bf16_master_weights_and_grads, bf16_optimizer_states)")
     p.add_argument("--tp", type=_typed(_whole(MAX_WORLD)), default=1, metavar="T",
                    help="tensor_parallel.autotp_size: AutoTP over groups of T GPUs (must "
                    "divide the GPUs and the model's heads; default 1)")
@@ -169,6 +171,19 @@ def _traces(args: argparse.Namespace) -> bool:
                 or args.json or args.fit or args.host_memory)
 
 
+def _check_bf16_states(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--optimizer adam-bf16`` (bf16 masters and moments) needs bf16 parameters and, traced,
+    a ZeRO stage 1-3, as ``initialize`` does."""
+    if args.optimizer != "adam-bf16":
+        return
+    if args.dtype != "bf16":
+        parser.error(f"argument --optimizer: adam-bf16 keeps bf16 master weights beside bf16 "
+                     f"parameters; it needs --dtype bf16, not {args.dtype}")
+    if getattr(args, "stage", None) == 0:
+        parser.error("argument --optimizer: adam-bf16 (bf16.bf16_master_weights_and_grads) "
+                     "needs ZeRO stage 1, 2 or 3, not --stage 0")
+
+
 def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The traced peak of one step (``zerotrain.planner``), or with ``--fit`` the fastest
     configuration that fits; the exit status."""
@@ -179,6 +194,7 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --micro-batch/--seq-len: tracing a step needs both")
     if args.write and not args.fit:
         parser.error("argument --write: with a traced step it needs --fit")
+    _check_bf16_states(parser, args)
     if _is_config_file(args.model):   # its dimensions and positions, before the trace
         shape = _model_shape(parser, args.model)
         _check_seq_len(parser, args.seq_len, shape)
@@ -191,7 +207,8 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     args.stage, offload=args.offload or "none", dtype=args.dtype,
                     activation_checkpointing=args.activation_checkpointing,
                     backend=args.backend, tp=args.tp,
-                    optimizer="muon" if args.optimizer == "muon" else "adam")
+                    optimizer="muon" if args.optimizer == "muon" else "adam",
+                    bf16_states=args.optimizer == "adam-bf16")
     try:
         if not args.fit:
             result = plan_peak(spec)
@@ -294,6 +311,7 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return run_trace(args, parser)
     if args.write and not args.gpu_memory:
         parser.error("argument --write: needs --gpu-memory to choose the stage to write")
+    _check_bf16_states(parser, args)
     shape = _model_shape(parser, args.model) if args.model else None
     if (args.micro_batch or args.seq_len) and shape is None:
         parser.error("argument --micro-batch/--seq-len: the activation estimate needs "

@@ -86,11 +86,19 @@ def test_ops_adam_is_torch_adam_with_deepspeeds_arguments(cls, decoupled):
         getattr(adam, cls)(model.parameters(), bias_correction=False)
 
 
-def test_cpu_adam_refuses_16bit_states_by_name():
+def test_cpu_adam_keeps_moments_in_the_dtype_it_steps():
+    """``fp32_optimizer_states=False`` (DeepSpeed: moments in the parameter dtype) is torch's
+    Adam's own behaviour; the flag is kept for the engine's check beside
+    ``bf16.bf16_optimizer_states``."""
     from zerotrain.ops.adam import DeepSpeedCPUAdam
 
-    with pytest.raises(ValueError, match="fp32_optimizer_states=False"):
-        DeepSpeedCPUAdam(torch.nn.Linear(2, 2).parameters(), fp32_optimizer_states=False)
+    model = torch.nn.Linear(2, 2).bfloat16()
+    opt = DeepSpeedCPUAdam(model.parameters(), fp32_optimizer_states=False)
+    model(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    assert not opt.fp32_optimizer_states
+    assert {v.dtype for s in opt.state.values() for v in s.values() if v.dim()} == {
+        torch.bfloat16}
 
 
 # --------------------------------------------------------------------------- out of scope

@@ -69,10 +69,6 @@ def test_steps_per_print_accepts_inf_and_engine_config_reads_like_a_dict():
 
 
 @pytest.mark.parametrize("extra, key", [
-    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast"),
-    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
-     "bf16.bf16_master_weights_and_grads"),
-    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.05}}},
      "zero_optimization.zenflow"),
 ])

@@ -80,7 +80,10 @@ def test_newton_schulz_matches_torch_muon_orthogonality():
      "offload_optimizer.dpu"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
                                                               "speculative": True}}},
-     "offload_optimizer.speculative")])
+     "offload_optimizer.speculative"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+               "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}},
+     "bf16.bf16_master_weights_and_grads")])
 def test_what_muon_cannot_run_with_is_refused_by_name(extra, key):
     from zerotrain.muon.setup import check_and_tag
     cfg = load_config(dict({"train_batch_size": 2, "optimizer": {"type": "Muon"}}, **extra),

@@ -16,6 +16,20 @@ from .state import TrainingState, writes_record
 from .stfile import TensorSpec, dtype_name, write_file
 
 
+# Note: bf16 masters in checkpoints
+#     Masters and optimizer state kept in bf16 (``bf16.bf16_master_weights_and_grads``) are
+#     written widened to fp32, which holds every bf16 value exactly, so the files, their
+#     resharding and consolidation are those of fp32 masters; a load rounds them back into
+#     the bf16 tensors, exactly (``staged_load._stage_record`` reads into fp32 buffers).
+_SAVED_AS_FP32 = (torch.float32, torch.bfloat16)
+
+
+def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the file holds it (Note: bf16 masters in checkpoints): itself when
+    fp32, else a widened copy."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
 def record_meta(record) -> dict:
     """A record's structure and optimizer-state description (JSON; tensors stay local)."""
     tensors, scalars, nones = [], {}, []
@@ -24,7 +38,7 @@ def record_meta(record) -> dict:
         if value is None:
             nones.append(key)
         elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            if value.numel() != numel or value.dtype != torch.float32:
+            if value.numel() != numel or value.dtype not in _SAVED_AS_FP32:
                 raise CheckpointError(
                     f"optimizer state {key!r} of {record.names[:1]}... is {value.dtype} "
                     f"{tuple(value.shape)}; checkpoints hold fp32 state the size of the shard")
@@ -35,7 +49,7 @@ def record_meta(record) -> dict:
             scalars[key] = {"dtype": "python", "value": to_json(value, f"optimizer.{key}")}
     return {"names": list(record.names), "shapes": [list(s) for s in record.shapes],
             "layout": record.layout.describe(), "group_index": record.group_index,
-            "shard_numel": record.layout.shard_numel, "dtype": dtype_name(record.master.dtype),
+            "shard_numel": record.layout.shard_numel, "dtype": dtype_name(torch.float32),
             "state_tensors": tensors, "state_scalars": scalars, "state_none": nones}
 
 
@@ -46,8 +60,9 @@ def rank_items(state: TrainingState, records) -> tuple[list[tuple[str, torch.Ten
     for i, record in enumerate(records):
         if not writes_record(record.layout, state.comm):
             continue
-        items.append((f"rec{i}/master", record.master))
-        items += [(f"rec{i}/{key}", value) for key, value in record.optimizer_state.items()
+        items.append((f"rec{i}/master", _as_fp32(record.master)))
+        items += [(f"rec{i}/{key}", _as_fp32(value)) for key, value in
+                  record.optimizer_state.items()
                   if isinstance(value, torch.Tensor) and value.dim() > 0]
     rng_tensors, rng_meta = rng.capture()
     return items + list(rng_tensors.items()), rng_meta

@@ -200,7 +200,9 @@ def _stage_record(state: TrainingState, source: LoadSource, record, staged: Stag
     (the padding of the master, and the chunks of parameters in ``kept``, as they are)."""
     rank = shard_rank(record.layout, state.comm)
     keys, scalars = source.optimizer_state_spec(record.names) if with_optimizer else ([], {})
-    master = record.master.detach().to("cpu", copy=True)
+    # fp32 like the file, whatever the master's dtype (Note "bf16 masters in checkpoints"
+    # in save.py): the commit's copy rounds it into a bf16 master
+    master = record.master.detach().to("cpu", dtype=torch.float32, copy=True)
     values = {key: torch.zeros(record.master.shape, dtype=torch.float32) for key in keys}
     for key, out in [("master", master), *values.items()]:
         if source.read_same_shard(list(record.names), record.layout, key, rank, out):

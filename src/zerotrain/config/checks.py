@@ -9,6 +9,7 @@ import warnings
 
 from ..errors import AssertedConfigError, ConfigError
 from .keys import ZeroTrainConfigWarning
+from .precision_checks import check_bf16_masters, check_torch_autocast
 from .schema import ZeroTrainConfig
 from .sections import TORCH_COMPILE_KWARGS
 from .walk import _unknown_key, _Walk
@@ -29,6 +30,8 @@ def _check_combinations(result: ZeroTrainConfig, walk: _Walk) -> None:
             raise _unknown_key(key, walk.user_path(f"compile.kwargs.{key}"),
                                list(TORCH_COMPILE_KWARGS), [])
     _check_unmanaged_accumulation(result)
+    check_bf16_masters(result)
+    check_torch_autocast(result)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(result.zero_optimization, name)
         if offload is not None and offload.device == "nvme" and not offload.nvme_path:

@@ -64,7 +64,7 @@ _UNIMPLEMENTED_NAMES = {
         memory_breakdown nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_comm_data_type
         sequence_parallel_size sparse_attention sparse_gradients tensorboard
-        timers torch_autocast use_data_before_expert_parallelism vocabulary_size wandb
+        timers use_data_before_expert_parallelism vocabulary_size wandb
         weight_quantization""",
     # DeepSpeed takes both the stage3_ alias and the bare field name of its stage-3 options.
     "zero_optimization": """cpu_offload cpu_offload_param cpu_offload_params
@@ -82,8 +82,7 @@ _UNIMPLEMENTED_NAMES = {
     "zero_optimization.offload_optimizer": """pipeline_read pipeline_write super_offload
         convert_grad_on_cpu cpuadam_cores_perc""",
     "fp16": "fused_mode",
-    "bf16": """immediate_grad_update check_grad_overflow bf16_master_weights_and_grads
-        bf16_optimizer_states""",
+    "bf16": "immediate_grad_update check_grad_overflow",
     "data_types": "param_dtype buffer_dtype",
     "optimizer": "legacy_fusion",
     "optimizer.params": "max_grad_norm",  # DeepSpeed ignores it too, pointing to gradient_clipping
@@ -103,15 +102,6 @@ UNIMPLEMENTED_KEYS: Dict[str, FrozenSet[str]] = {
 # DeepSpeed keys that change what training computes: accepted only while they leave the
 # feature off (a false/empty value), otherwise refused by name with why, never ignored.
 REFUSED_WHEN_ON: Dict[str, str] = {
-    "torch_autocast": "DeepSpeed's torch_autocast mode (fp32 parameters, forward under "
-                      "torch.autocast, lower-precision gradient reduction) is not implemented; "
-                      "keep fp32 and wrap the forward in torch.autocast yourself, or use "
-                      "bf16.enabled (bf16 parameters, fp32 master weights)",
-    "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients are not "
-                      "implemented: zerotrain keeps fp32 master weights and accumulates "
-                      "gradients in fp32 (data_types.grad_accum_dtype); remove the key",
-    "bf16.bf16_optimizer_states": "bf16 optimizer states are not implemented: zerotrain "
-                      "keeps the optimizer state in fp32; remove the key",
     "zero_optimization.zenflow": "ZenFlow (stale, asynchronous host updates of the less "
                       "important gradient columns) is not implemented; remove the zenflow "
                       "section (offload_optimizer alone gives the synchronous host update)",

@@ -13,7 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator
 from .fields import NonNegative, PrecisionName, _Section
 from .sections import (ActivationCheckpointingConfig, BF16Config, CheckpointConfig,
                        CompileConfig, DataTypesConfig, FP16Config, OptimizerConfig,
-                       SchedulerConfig)
+                       SchedulerConfig, TorchAutocastConfig)
 from .tensor_parallel import TensorParallelConfig
 from .zero import ZeroConfig
 
@@ -36,6 +36,7 @@ class ZeroTrainConfig(_Section):
         default_factory=ActivationCheckpointingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     steps_per_print: Union[int, float] = 10   # a whole number >= 1, or inf: never (Accelerate)
     wall_clock_breakdown: bool = False
     communication_data_type: Optional[PrecisionName] = None   # gradient reductions
@@ -81,8 +82,16 @@ class ZeroTrainConfig(_Section):
 
     @property
     def grad_accum_dtype(self) -> PrecisionName:
-        """fp32 unless set: accumulating many micro-batches in 16 bits loses small gradients."""
-        return self.data_types.grad_accum_dtype or "fp32"
+        """fp32 unless set: accumulating many micro-batches in 16 bits loses small gradients.
+        bf16 with ``bf16.bf16_master_weights_and_grads``, which keeps gradients in bf16."""
+        default = "bf16" if self.bf16.bf16_master_weights_and_grads else "fp32"
+        return self.data_types.grad_accum_dtype or default
+
+    @property
+    def master_dtype(self) -> PrecisionName:
+        """What the optimizer steps: fp32 masters, bf16 with
+        ``bf16.bf16_master_weights_and_grads``."""
+        return "bf16" if self.bf16.bf16_master_weights_and_grads else "fp32"
 
     @property
     def raw(self) -> Dict[str, Any]:

@@ -56,10 +56,35 @@ class FP16Config(_Section):
 class BF16Config(_Section):
     """``auto_cast`` is zerotrain's opt-in, not DeepSpeed's: the engine casts floating
     inputs to bf16 as ``fp16.auto_cast`` casts them to fp16 (DeepSpeed has only the latter
-    and leaves bf16 inputs as given)."""
+    and leaves bf16 inputs as given).
+
+    ``bf16_master_weights_and_grads``: the master weights and the reduced gradients are
+    kept in bf16, not fp32; ``bf16_optimizer_states``: the optimizer's state too (DeepSpeed's
+    keys and checks, ``precision_checks.check_bf16_masters``; Note "bf16 masters" in
+    ``core/precision.py``)."""
 
     enabled: bool = False
     auto_cast: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+
+# torch_autocast.dtype: DeepSpeed's DtypeEnum spellings of the 16-bit types
+AUTOCAST_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+                   "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+
+
+class TorchAutocastConfig(_Section):
+    """DeepSpeed's ``torch_autocast``: the engine's forward under ``torch.autocast``
+    (``dtype``; unset: torch's default for the device) over fp32 or bf16 parameters, and the
+    gradients of the parameters of ``lower_precision_safe_modules`` (default: torch's Linear
+    and Conv1d/2d/3d) reduced in that dtype (what zerotrain honours: Note "what is
+    honoured" in ``engine/autocast.py``)."""
+
+    enabled: bool = False
+    dtype: Optional[Literal["fp16", "float16", "half", "torch.float16", "bf16", "bfloat16",
+                            "torch.bfloat16"]] = None
+    lower_precision_safe_modules: Optional[List[str]] = None
 
 
 class DataTypesConfig(_Section):

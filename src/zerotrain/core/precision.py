@@ -5,6 +5,16 @@ Note: master weights
     copy of this rank's shard (the master weights). With fp32 there is no master copy: where
     a rank's shard is the whole group (stage 0, or world size 1) the parameters are views of
     the very tensor the optimizer steps.
+
+Note: bf16 masters
+    ``bf16.bf16_master_weights_and_grads`` with ``bf16_optimizer_states`` (DeepSpeed's keys)
+    make ``master_dtype`` bf16: the masters are bf16 (at stage 3 the parameter shard is the
+    master, as in DeepSpeed, which keeps no second copy when the dtypes agree), gradients
+    are accumulated and reduced in bf16 (``grad_accum_dtype``), and the optimizer, stepping
+    bf16 tensors, creates its state in bf16. Each update still averages, unscales and clips
+    in fp32 and rounds the result to bf16 once (``offload/gradients.as_grad_of``). What is
+    lost: an update smaller than half a bf16 ulp of the weight (2**-9 to 2**-8 of it) is rounded
+    away, where fp32 masters would accumulate it (docs/memory.md).
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ class PrecisionPolicy:
 
     param_dtype: the module's floating-point parameters and activations.
     grad_accum_dtype: gradients accumulated over micro-steps and reduced over ranks.
-    master_dtype: what the optimizer steps (always fp32).
+    master_dtype: what the optimizer steps: fp32, or bf16 (Note: bf16 masters).
     comm_dtype: gradient reductions on the wire (``communication_data_type``); None means
     the gradients' own dtype, ``param_dtype``.
     """
@@ -33,10 +43,10 @@ class PrecisionPolicy:
     comm_dtype: Optional[torch.dtype] = None
 
     @classmethod
-    def from_names(cls, precision: str, grad_accum: str,
-                   comm: Optional[str] = None) -> "PrecisionPolicy":
+    def from_names(cls, precision: str, grad_accum: str, comm: Optional[str] = None,
+                   master: str = "fp32") -> "PrecisionPolicy":
         return cls(param_dtype=DTYPES[precision], grad_accum_dtype=DTYPES[grad_accum],
-                   comm_dtype=DTYPES[comm] if comm else None)
+                   master_dtype=DTYPES[master], comm_dtype=DTYPES[comm] if comm else None)
 
     @property
     def reduce_dtype(self) -> torch.dtype:

@@ -67,8 +67,12 @@ def _memory_lines(results: dict, config: dict) -> list[str]:
     psi, world, stage = results["num_params"], results["world_size"], results["stage"]
     dtype = _precision(config)
     optimizer = "sgd" if config.get("optimizer", {}).get("type", "").lower() == "sgd" else "adam"
+    if (optimizer == "adam" and dtype == "bf16"
+            and config.get("bf16", {}).get("bf16_master_weights_and_grads")):
+        optimizer = "adam-bf16"   # bf16 masters, gradients and moments (docs/memory.md)
     shares = gpu_shares(Placement(stage), BytesPerParam.of(dtype, optimizer))
-    extra = fp32_accumulation_extra(psi, Placement(stage), world=world, dtype=dtype)
+    extra = fp32_accumulation_extra(psi, Placement(stage), world=world, dtype=dtype,
+                                    optimizer=optimizer)
     ranks = results["memory"]
     head = ["category", "ZeRO formula"] + [f"rank {r}" for r in range(len(ranks))]
     rows = [head]

@@ -14,13 +14,15 @@ data-parallel group is the world, or world / T of it).
 
 The mixin reads what the engine sets in ``__init__``: ``config`` (``ZeroTrainConfig``),
 ``comm`` (its world), ``optimizer`` and ``stage`` (whose ``optimizer`` is the torch
-optimizer over the shards), ``loss_scaler`` and ``_last_outcome`` (the last step's
-:class:`~zerotrain.stages.base.StepOutcome`); ``destroy()`` is the engine's ``close()``.
+optimizer over the shards), ``loss_scaler``, ``_autocast_dtype`` (``engine/autocast.py``)
+and ``_last_outcome`` (the last step's :class:`~zerotrain.stages.base.StepOutcome`); ``destroy()`` is the engine's ``close()``.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Optional
+
+import torch
 
 from ..checkpoint.save import rank_file
 from ..optim import ZeroOptimizer
@@ -139,6 +141,19 @@ class DeepSpeedEngineAPI:
 
     def bfloat16_enabled(self) -> bool:
         return self.config.precision == "bf16"
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.bf16.bf16_optimizer_states
+
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        """The autocast's dtype (None when off), torch's default for the device if unset."""
+        return self._autocast_dtype
 
     def dynamic_loss_scale(self) -> bool:
         """Whether fp16 runs with dynamic loss scaling (``fp16.loss_scale`` 0). False without

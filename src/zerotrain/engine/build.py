@@ -39,14 +39,16 @@ from ..comm import (DEFAULT_TIMEOUT, Communicator, group_backends, init_distribu
                    select_device, set_group_timeout)
 from ..comm.mesh import build_mesh
 from .compile import refuse_precompiled
+from .autocast import check_reduction as check_autocast_reduction
 from ..config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
 from ..dataloader import DistributedLoader
 from .engine import ZeroEngine
 from .fingerprint import check_same_across_ranks, fingerprint
 from .optimizer_choice import (no_optimizer, optimizer_factory,
-                                      refuse_offloaded_client_optimizer, scheduler_for,
-                                      trainable_groups)
+                               refuse_fp32_cpu_adam_states,
+                               refuse_offloaded_client_optimizer, scheduler_for,
+                               trainable_groups)
 from .ownership import close_stage, open_stage_of
 from .resume import auto_resume
 from ..errors import ConfigError
@@ -120,7 +122,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     device = _device()   # before the communicator: it reads the current CUDA device
     comm = Communicator(debug=cfg.debug)
     comm = comm.with_topology(comm.discover_topology())   # nodes, from torchrun's env
-    policy = PrecisionPolicy.from_names(cfg.precision, cfg.grad_accum_dtype, cfg.comm_dtype)
+    # torch_autocast: every gradient reduced in the parameters' dtype (engine/autocast.py,
+    # Note "what is honoured"), whatever communication_data_type says, as DeepSpeed's does
+    policy = PrecisionPolicy.from_names(
+        cfg.precision, cfg.grad_accum_dtype,
+        None if cfg.torch_autocast.enabled else cfg.comm_dtype, cfg.master_dtype)
     check_recorded(model, cfg.tensor_parallel.size, policy.param_dtype)   # tp_model_init
     cfg = _check_sections(cfg, optimizer, lr_scheduler)
     held = open_stage_of(model)
@@ -133,11 +139,13 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         release_model(model)
     if optimizer is not None:
         refuse_offloaded_client_optimizer(cfg, optimizer)   # before, as in DeepSpeed
+        refuse_fp32_cpu_adam_states(cfg, optimizer)
         check_client_optimizer(optimizer, allow_untested=cfg.zero_allow_untested_optimizer)
     inference = optimizer is None and cfg.optimizer is None   # an engine for forward only
     if "activation_checkpointing" in cfg.raw:  # as deepspeed.checkpointing.configure would
         recompute.configure(None, deepspeed_config=cfg)
 
+    check_autocast_reduction(cfg, model)   # torch_autocast: before anything is built
     adopt(cfg.zero_optimization.stage, model, comm)   # stages 0-2 train full parameters
     model = _place_module(model, device, policy.param_dtype)
     check_same_across_ranks(comm, fingerprint(model, cfg))

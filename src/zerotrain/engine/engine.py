@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint
+from . import autocast
 from ..comm import Communicator
 from ..comm.agreement import from_a_vote
 from .compile import Compilation, EngineCompile
@@ -109,6 +110,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._moved = moved_states.StateMover(self.device)   # offload_states / reload_states
         self._auto_cast = ((config.fp16.enabled and config.fp16.auto_cast)
                            or (config.bf16.enabled and config.bf16.auto_cast))
+        self._autocast_dtype = autocast.autocast_dtype(config, self.device)   # torch_autocast
         self._param_watch: Optional[ParameterWatch] = None
         if not self.inference_only or stage.partitions_parameters:
             claim(stage, module)   # Note: one open engine per model
@@ -137,7 +139,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 noted = trail.count
             self.tput_timer.start()
             try:
-                outputs = self.module(*args, **kwargs)
+                with autocast.forward_context(self._autocast_dtype, self.device):
+                    outputs = self.module(*args, **kwargs)
             except BaseException:   # Note "a forward that raises" in comm/trail.py
                 if noted:
                     trail.withdraw(noted)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroTrainConfig
-from ..errors import ConfigError
+from ..errors import AssertedConfigError, ConfigError
 from ..moe.utils import configure_moe_param_groups, has_moe_layers
 from ..ops.adam import DeepSpeedCPUAdam
 from ..muon import ShardedMuon, muon_param_groups
@@ -68,6 +68,22 @@ def refuse_offloaded_client_optimizer(cfg: ZeroTrainConfig, client) -> None:
         "too. Pass deepspeed.ops.adam.DeepSpeedCPUAdam (zerotrain.ops.adam), put the "
         "optimizer in the config's optimizer section, or set \"zero_force_ds_cpu_optimizer\": "
         "false to step this one on the host", value=True)
+
+
+def refuse_fp32_cpu_adam_states(cfg: ZeroTrainConfig, client) -> None:
+    """DeepSpeed's assert: with ``bf16.bf16_optimizer_states`` and the optimizer offloaded,
+    a client ``DeepSpeedCPUAdam`` must be built with ``fp32_optimizer_states=False``, so
+    that its moments are the bf16 ones the key asks for (DeepSpeed sets it so itself for
+    the config's optimizer, as zerotrain's does)."""
+    offload = cfg.zero_optimization.offload_optimizer
+    if (not cfg.bf16.bf16_optimizer_states or not isinstance(client, DeepSpeedCPUAdam)
+            or offload is None or offload.device == "none"
+            or not getattr(client, "fp32_optimizer_states", True)):
+        return
+    raise AssertedConfigError(
+        "bf16.bf16_optimizer_states", "bf16_optimizer_states with ZeRO-Offload requires "
+        "DeepSpeedCPUAdam constructed with fp32_optimizer_states=False so optimizer moments "
+        "are stored in bf16", value=True)
 
 
 def optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .sizes import format_gb
-from .states import Placement, StateEstimate, fp32_accumulation_extra
+from .states import BF16_STATES, Placement, StateEstimate, fp32_accumulation_extra
 
 __all__ = ["AMPLE_FRACTION", "SAFE_FRACTION", "Budget", "Recommendation", "ds_config",
            "recommend"]
@@ -62,11 +62,11 @@ class Recommendation:
 
 def _gpu_need(row: StateEstimate, *, total_params: int, world: int, dtype: str,
               budget: Budget, checkpointing: bool, tp: int = 1,
-              split_params: Optional[int] = None) -> dict[str, float]:
+              split_params: Optional[int] = None, optimizer: str = "adam") -> dict[str, float]:
     parts = {"model states": row.gpu_total,
              "fp32 gradient accumulation": fp32_accumulation_extra(
                  total_params, row.placement, world=world, dtype=dtype, tp=tp,
-                 split_params=split_params)}
+                 split_params=split_params, optimizer=optimizer)}
     act = budget.activations_checkpointed if checkpointing else budget.activations
     if act is not None:
         parts["activations" + (" (checkpointed)" if checkpointing else "")] = act
@@ -76,7 +76,8 @@ def _gpu_need(row: StateEstimate, *, total_params: int, world: int, dtype: str,
 
 
 def recommend(rows: list[StateEstimate], budget: Budget, *, total_params: int, world: int,
-              dtype: str, tp: int = 1, split_params: Optional[int] = None) -> Recommendation:
+              dtype: str, tp: int = 1, split_params: Optional[int] = None,
+              optimizer: str = "adam") -> Recommendation:
     """Apply Note "the recommendation rule" to the rows of ``model_states`` (a placement
     without a row, such as NVMe for SGD, is skipped)."""
     by_placement = {row.placement: row for row in rows}
@@ -90,7 +91,7 @@ def recommend(rows: list[StateEstimate], budget: Budget, *, total_params: int, w
             continue
         parts = _gpu_need(row, total_params=total_params, world=world, dtype=dtype,
                           budget=budget, checkpointing=ckpt, tp=tp,
-                          split_params=split_params)
+                          split_params=split_params, optimizer=optimizer)
         need = sum(parts.values())
         host_ok = (budget.cpu_memory is None
                    or row.host_per_node <= SAFE_FRACTION * budget.cpu_memory)
@@ -130,7 +131,7 @@ def ds_config(placement: Placement, *, dtype: str, optimizer: str,
         "gradient_clipping": 1.0,
         "optimizer": ({"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
                                                    "weight_decay": 0.1}}
-                      if optimizer == "adam" else
+                      if optimizer in ("adam", "adam-bf16") else
                       {"type": "Muon", "params": {"lr": 3e-4, "muon_lr": 0.02,
                                                   "weight_decay": 0.1}}
                       if optimizer == "muon" else
@@ -138,6 +139,8 @@ def ds_config(placement: Placement, *, dtype: str, optimizer: str,
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+        if optimizer == BF16_STATES:
+            config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     elif dtype == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     zero: dict = {"stage": placement.stage, "overlap_comm": True,

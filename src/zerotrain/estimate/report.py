@@ -19,7 +19,9 @@ _PRECISION_NAMES = {"bf16": "bf16 mixed precision", "fp16": "fp16 mixed precisio
                     "fp32": "fp32"}
 _OPTIMIZER_NAMES = {"adam": "Adam", "sgd": "SGD with momentum",
                     "muon": "Muon (its AdamW half, embeddings and vectors, keeps Adam's "
-                            "8 bytes: trace a step with --stage to count both)"}
+                            "8 bytes: trace a step with --stage to count both)",
+                    "adam-bf16": "Adam with bf16 master weights, gradients and moments "
+                                 "(bf16.bf16_master_weights_and_grads, bf16_optimizer_states)"}
 _WIDTH = 96  # notes are wrapped to this many columns
 
 
@@ -84,7 +86,8 @@ def estimate(request: EstimateRequest) -> EstimateReport:
                         activations[0] if activations else None,
                         activations[1] if activations else None, live)
         rec = recommend(rows, budget, total_params=r.total_params, world=r.world,
-                        dtype=r.dtype, tp=r.tp, split_params=r.split_params)
+                        dtype=r.dtype, tp=r.tp, split_params=r.split_params,
+                        optimizer=r.optimizer)
         if rec.placement is not None:
             config = ds_config(rec.placement, dtype=r.dtype, optimizer=r.optimizer,
                                micro_batch=r.micro_batch or 1)
@@ -121,7 +124,8 @@ def _need(rep: EstimateReport, row: StateEstimate) -> float:
     r = rep.request
     need = row.gpu_total + fp32_accumulation_extra(r.total_params, row.placement,
                                                    world=r.world, dtype=r.dtype, tp=r.tp,
-                                                   split_params=r.split_params)
+                                                   split_params=r.split_params,
+                                                   optimizer=r.optimizer)
     if rep.activations:
         need += rep.activations[0]
     return need + (rep.live_layer if row.placement.stage == 3 else 0.0)
@@ -178,7 +182,7 @@ def _notes(rep: EstimateReport) -> list[str]:
                      "state are / (T·D) for split parts and / D for replicated ones; "
                      "hpZ, MiCS, quantized weights or gradients and frozen parameters are "
                      "refused with tensor parallelism at stage 3.")
-    if r.dtype != "fp32":
+    if r.dtype != "fp32" and r.optimizer != "adam-bf16":
         extra_full = 2 * r.per_rank_params
         notes.append(
             "Gradients are counted in 16 bits, as in the ZeRO paper. zerotrain accumulates "
@@ -192,12 +196,14 @@ def _notes(rep: EstimateReport) -> list[str]:
                  + (f", {format_gb(rep.live_layer)} GB here" if rep.live_layer else "") + ").")
     dpu_per_node = 4 * r.per_rank_params / (r.world // r.tp) * r.gpus_per_node
     notes.append(
-        f"Offloaded rows: the fp32 master and optimizer moments ({bpp.host_optimizer} bytes per "
+        f"Offloaded rows: the {'bf16' if r.optimizer == 'adam-bf16' else 'fp32'} master and "
+        f"optimizer moments ({bpp.host_optimizer} bytes per "
         "parameter) leave the GPU, for the host or, with NVMe, for files (the host then keeps "
         'a few bounded swap slots); "params on CPU" moves the parameter shard '
         f"({bpp.params} bytes per parameter) to the host too. Gradients stay on the GPU until "
         "the step and go to the host a bucket at a time"
-        + (", so the fp32 accumulation above still applies" if r.dtype != "fp32" else "")
+        + (", so the fp32 accumulation above still applies"
+           if r.dtype != "fp32" and r.optimizer != "adam-bf16" else "")
         + ". Host and NVMe figures are per node. offload_optimizer.dpu (delayed update) "
         f"adds an fp32 gradient shard on the host: +{format_gb(dpu_per_node)} GB per node. "
         "DeepSpeed lays offload out differently; its own estimator is "
@@ -208,7 +214,12 @@ def _notes(rep: EstimateReport) -> list[str]:
             f"node) adds to ZeRO-3 a secondary parameter copy of {bpp.params}Ψ/H bytes per "
             f"GPU: +{format_gb(bpp.params * r.total_params / r.gpus_per_node)} GB with "
             f"H = {r.gpus_per_node} (docs/multinode.md).")
-    if r.optimizer != "adam":
+    if r.optimizer == "adam-bf16":
+        notes.append("adam-bf16 (bf16.bf16_master_weights_and_grads with bf16_optimizer_states): "
+                     "no stage 0 row (DeepSpeed asserts stages 1-3) and no NVMe row; at ZeRO-3 "
+                     "the bf16 parameter shard is the master, so a rank holds 2Ψ/N less than "
+                     "the row shows (8Ψ/N, docs/memory.md).")
+    elif r.optimizer != "adam":
         notes.append("No NVMe row: zerotrain swaps only Adam/AdamW state to NVMe.")
     if r.gpu_memory or rep.activations:
         notes.append("need* = per GPU + fp32 gradient accumulation + activations + "

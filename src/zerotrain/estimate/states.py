@@ -64,13 +64,16 @@ __all__ = ["BytesPerParam", "DTYPES", "OPTIMIZERS", "PLACEMENTS", "Placement",
            "off_gpu_shares", "per_rank_params"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
-OptimizerName = Literal["adam", "sgd", "muon"]
+OptimizerName = Literal["adam", "adam-bf16", "sgd", "muon"]
 Device = Literal["none", "cpu", "nvme"]
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
-OPTIMIZERS: tuple[str, ...] = ("adam", "sgd", "muon")
+OPTIMIZERS: tuple[str, ...] = ("adam", "adam-bf16", "sgd", "muon")
 # fp32 momentum + variance; fp32 momentum; Muon's fp32 momentum of the matrices it steps
 # (the parameters its AdamW half steps keep Adam's 8: the traced peak counts both)
 _MOMENT_BYTES = {"adam": 8, "sgd": 4, "muon": 4}
+# "adam-bf16": Adam with bf16.bf16_master_weights_and_grads and bf16_optimizer_states, whose
+# master (2) and moments (2 + 2) are bf16 and whose gradients are accumulated in bf16
+BF16_STATES = "adam-bf16"
 _DEVICE_NAMES = {"cpu": "CPU", "nvme": "NVMe"}
 
 
@@ -87,9 +90,14 @@ class BytesPerParam:
     def of(cls, dtype: str, optimizer: str) -> "BytesPerParam":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if optimizer not in _MOMENT_BYTES:
+        if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
                              f"got {optimizer!r}")
+        if optimizer == BF16_STATES:
+            if dtype != "bf16":
+                raise ValueError(f"optimizer {BF16_STATES} keeps bf16 masters beside bf16 "
+                                 f"parameters; it needs dtype bf16, got {dtype!r}")
+            return cls(params=2, grads=2, optimizer=6, host_optimizer=6)
         moments = _MOMENT_BYTES[optimizer]
         if dtype == "fp32":
             return cls(params=4, grads=4, optimizer=moments, host_optimizer=4 + moments)
@@ -216,7 +224,9 @@ def model_states(total_params: int, *, gpus_per_node: int, nodes: int = 1,
     rows = []
     for placement in PLACEMENTS:
         if placement.offload_optimizer == "nvme" and optimizer != "adam":
-            continue  # NVMe swaps Adam/AdamW state only (Note "offload")
+            continue  # NVMe swaps fp32 Adam/AdamW state only (Note "offload")
+        if placement.stage == 0 and optimizer == BF16_STATES:
+            continue  # bf16 masters need ZeRO stage 1-3 (DeepSpeed asserts it)
         shares = gpu_shares(placement, bpp)
         gpu = {name: elements * b / (dp if sharded else 1)
                for name, (b, sharded) in shares.items()}
@@ -231,15 +241,17 @@ def model_states(total_params: int, *, gpus_per_node: int, nodes: int = 1,
 
 def fp32_accumulation_extra(total_params: int, placement: Placement, *, world: int,
                             dtype: str, tp: int = 1,
-                            split_params: Optional[int] = None) -> float:
+                            split_params: Optional[int] = None,
+                            optimizer: str = "adam") -> float:
     """Bytes per GPU that zerotrain's default fp32 gradient accumulation adds to the table.
 
     ``data_types.grad_accum_dtype`` defaults to fp32, so a 16-bit run keeps 4-byte instead
     of 2-byte gradients: +2Ψ at stages 0-1 (full gradients), +2Ψ/N at stages 2-3 (a shard).
     Offload changes nothing here: the gradients stay on the GPU until the step (Note
-    "offload"). Nothing is added for fp32 training.
+    "offload"). Nothing is added for fp32 training, nor with bf16 masters (``adam-bf16``),
+    whose gradients are bf16.
     """
-    if dtype == "fp32":
+    if dtype == "fp32" or optimizer == BF16_STATES:
         return 0.0
     elements = per_rank_params(total_params, tp=tp, split_params=split_params)
     return 2.0 * elements / (_data_parallel(world, tp) if placement.stage >= 2 else 1)

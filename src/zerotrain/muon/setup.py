@@ -31,6 +31,10 @@ def check_and_tag(cfg: Any, client: Optional[Any], model: nn.Module) -> Optional
         raise ConfigError("tensor_parallel.autotp_size", "Muon orthogonalises whole "
                           "matrices, and tensor parallelism cuts them across ranks; train "
                           "Muon without tensor parallelism", value=cfg.tensor_parallel.size)
+    if cfg.bf16.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_master_weights_and_grads", "Muon keeps an fp32 momentum "
+                          "beside fp32 masters; bf16 masters and moments are implemented for "
+                          "Adam only; remove the key or use Adam", value=True)
     offload = cfg.zero_optimization.offload_optimizer
     if offload is not None and offload.device == "nvme":
         raise ConfigError("zero_optimization.offload_optimizer.device", "Muon's state is "

@@ -5,7 +5,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .gradients import Gradients
+from .gradients import Gradients, as_grad_of
 
 
 class DeviceUpdater:
@@ -23,7 +23,7 @@ class DeviceUpdater:
     def step(self, masters: Sequence[torch.Tensor], grads: Gradients,
              publish: Callable[[int], None], order: Optional[Sequence[int]] = None) -> None:
         for k, master in enumerate(masters):
-            master.grad = grads.on_device(k)
+            master.grad = as_grad_of(master, grads.on_device(k))
         self.optimizer.step()   # one call: fused and foreach kernels see every shard
         for master in masters:
             master.grad = None

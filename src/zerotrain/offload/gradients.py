@@ -58,6 +58,14 @@ class Gradients:
         return self.finish(shard if shard.dtype == torch.float32 else shard.float())
 
 
+def as_grad_of(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` (a finished fp32 gradient) as ``master``'s own gradient: its shape, and its
+    dtype, rounded once to bf16 where the masters are bf16 (``bf16_master_weights_and_grads``:
+    the optimizer steps bf16 masters with bf16 gradients, as DeepSpeed's does)."""
+    grad = grad.view(master.shape)
+    return grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+
 def finish(shard: torch.Tensor, world: int, coef: float, *, in_place: bool) -> torch.Tensor:
     """``fp32(shard) / world * coef`` (Note: one arithmetic); out of place unless asked
     (the result may then be ``shard`` itself when nothing is to be done)."""

@@ -61,7 +61,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .device import DeviceUpdater
-from .gradients import Gradients, HostGradients
+from .gradients import Gradients, HostGradients, as_grad_of
 from .speculation import KeptStates
 from .step_timings import StepTimings
 from .storage import HostStorage, Storage
@@ -312,7 +312,7 @@ class HostUpdater:
     def _step_on_device(self, k: int, master: torch.Tensor, grads: Gradients,
                         publish: Optional[Callable[[int], None]]) -> None:
         """A record kept on the device (``ratio``): the device update's arithmetic, alone."""
-        master.grad = grads.on_device(k).view(master.shape)
+        master.grad = as_grad_of(master, grads.on_device(k))
         step_alone(self.optimizer, self._group_index(master), master)
         master.grad = None
         if publish is not None:
@@ -329,7 +329,7 @@ class HostUpdater:
     def _adam(self, k: int, master: torch.Tensor, grad: torch.Tensor) -> None:
         """Record k's optimizer step over ``grad`` (fp32, on the host), counted."""
         with self.timings.timed("offload_cpu_adam"), self.timeline.span("adam", k):
-            master.grad = grad.view(master.shape)
+            master.grad = as_grad_of(master, grad)
             step_alone(self.optimizer, self._group_index(master), master)
             master.grad = None
         state = [v for v in self.optimizer.state[master].values()

@@ -51,19 +51,20 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
     """DeepSpeed's ``DeepSpeedCPUAdam``: torch's fused Adam on the CPU (the fast path on the
     host, as fast as DeepSpeed's compiled op), AdamW by default (``adamw_mode``).
 
-    ``fp32_optimizer_states=False`` (DeepSpeed: keep the moments in the parameter dtype)
-    is not supported: the engine steps fp32 master shards, so the moments are fp32.
+    ``fp32_optimizer_states=False`` (DeepSpeed: keep the moments in the parameter dtype) is
+    what torch's Adam does: its moments take the dtype of the tensors it steps. Under the
+    engine those are the master shards: fp32, or bf16 with ``bf16.bf16_optimizer_states``,
+    which (as in DeepSpeed) needs ``fp32_optimizer_states=False`` when this optimizer is the
+    client's (``engine/optimizer_choice.refuse_fp32_cpu_adam_states``).
     """
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3,
                  bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
                  adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
-        if not fp32_optimizer_states:
-            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False) is not supported: "
-                             "zerotrain keeps Adam's moments in fp32, beside the fp32 masters")
         extra = _adam_kwargs("DeepSpeedCPUAdam", bias_correction=bias_correction,
                              decoupled=adamw_mode, mode_name="adamw_mode")
         super().__init__(model_params, lr=lr, betas=tuple(betas), eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, fused=True, **extra)
         self.adamw_mode = adamw_mode
+        self.fp32_optimizer_states = fp32_optimizer_states

@@ -40,6 +40,8 @@ class StepSpec:
     tp: int = 1                    # tensor_parallel.autotp_size
     optimizer: str = "adam"        # adam (AdamW) | muon (Muon: one momentum per matrix
     #                                element, AdamW's two moments for the rest)
+    # bf16.bf16_master_weights_and_grads with bf16_optimizer_states (stages 1-3, bf16)
+    bf16_states: bool = False
 
     @property
     def world(self) -> int:
@@ -147,6 +149,9 @@ def ds_config_for(spec: StepSpec) -> dict:
     }
     if spec.dtype in ("bf16", "fp16"):
         config[spec.dtype] = {"enabled": True}
+    if spec.bf16_states:
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                          "bf16_optimizer_states": True}
     if spec.tp > 1:
         config["tensor_parallel"] = {"autotp_size": spec.tp}
     return config

@@ -133,7 +133,7 @@ def candidates(base: StepSpec, global_micro: int) -> Iterator[StepSpec]:
     for offload in ("none", "cpu"):
         for ac in (False, True):
             for b in batches:
-                for stage in (0, 1, 2, 3):
+                for stage in ((1, 2, 3) if base.bf16_states else (0, 1, 2, 3)):
                     yield replace(base, stage=stage, offload=offload,
                                   activation_checkpointing=ac, micro_batch=b,
                                   gradient_accumulation=global_micro // b)

@@ -44,7 +44,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
       "offload_names", "launcher_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("recompute",), ("zero", "checkpointing")),
+    (("stages",), ("recompute",), ("zero", "checkpointing", "sequence")),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points

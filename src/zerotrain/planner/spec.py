@@ -97,9 +97,9 @@ def _hf_config(path: str):
 
 def build_model(spec: StepSpec) -> torch.nn.Module:
     """The model of ``spec.model`` in the training dtype, on the current device context
-    (the planner builds it under ``FakeTensorMode``). A config.json gives the causal-LM
-    head where transformers has one, else the masked-LM head (BERT), else the
-    sequence-to-sequence head (T5, BART: ``labels`` make its decoder inputs). Note "the
+    (the planner builds it under ``FakeTensorMode``). A config.json of an encoder-decoder
+    (T5, BART) gives the sequence-to-sequence head; any other the causal-LM head where
+    transformers has one, else the masked-LM head (BERT). Note "the
     inputs of a traced step" in ``trace.py`` says what the model is called with."""
     dtype = _DTYPES[spec.dtype]
     previous = torch.get_default_dtype()
@@ -111,8 +111,11 @@ def build_model(spec: StepSpec) -> torch.nn.Module:
             import transformers
 
             config = _hf_config(spec.model)
-            for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM,
-                         transformers.AutoModelForSeq2SeqLM):
+            heads = [transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM]
+            # an encoder-decoder trains both stacks (BART also has a decoder-only causal LM)
+            seq2seq = getattr(config, "is_encoder_decoder", False)
+            heads.insert(0 if seq2seq else 2, transformers.AutoModelForSeq2SeqLM)
+            for auto in heads:
                 try:
                     return auto.from_config(config)
                 except ValueError:

@@ -16,10 +16,11 @@ Note: gradients of the weights inside a tile
     ready where it is, so the tiles sum in ``.grad`` and the sum is reduced once.
 
 Note: stage 3
-    The weights are gathered by the module hooks as the tiles call their modules; a unit
-    kept for reuse (``stage3_max_reuse_distance``, DeepSpeed's default 1e9) is gathered
-    once per tiled call, not per tile. ``compute_params`` must name every trained weight
-    the function uses (a weight left out would be reduced after its first tile).
+    The weights are gathered by the module hooks as the tiles call their modules; a
+    tiled call's units stay gathered across its tiles, so a step's all-gathers are no
+    more than the untiled step's (tests/dist/test_sequence_tiled_zero.py counts them).
+    ``compute_params`` must name every trained weight the function uses (a weight left
+    out would be handed to the stage after its first tile).
 
 Bad inputs (a shard count below 1, a sequence shorter than the shard count, an unknown
 reduction, mismatched shapes) raise :class:`~zerotrain.errors.TilingError` naming them.

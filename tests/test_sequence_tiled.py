@@ -64,6 +64,21 @@ def test_tiled_mlp_on_2d_input_and_input_gradient_bitwise():
     assert torch.equal(x.grad, 2 * x.detach() * w)
 
 
+def test_autograd_compute_mlp_recomputes_and_equals_the_mlp():
+    torch.manual_seed(0)
+    mlp = T.MLP()
+    x = torch.randn(2, 5, T.HIDDEN, requires_grad=True)
+    out = tiled.AutogradComputeMLP.apply(T.MLP.plain, mlp, x)
+    assert out.grad_fn is not None and torch.equal(out, T.MLP.plain(mlp, x.detach()))
+    out.sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = T.MLP()
+    ref.load_state_dict(mlp.state_dict())
+    T.MLP.plain(ref, ref_x).sum().backward()
+    assert torch.equal(x.grad, ref_x.grad)
+    assert torch.equal(mlp.down_proj.weight.grad, ref.down_proj.weight.grad)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", None])
 def test_sequence_tiled_compute_equals_the_untiled_function(reduction):
     torch.manual_seed(0)

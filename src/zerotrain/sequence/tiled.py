@@ -34,7 +34,7 @@ import torch
 
 from ..errors import TilingError
 
-__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP",
+__all__ = ["AutogradComputeMLP", "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP",
            "sequence_tiled_compute"]
 
 REDUCTIONS = (None, "mean", "sum")
@@ -219,6 +219,27 @@ class TiledMLP(torch.autograd.Function):
             offset += rows
         mark_ready(ctx.compute_params, 0, 1)
         return None, None, (x_grad.view(x.shape) if wants_grad else None), None, None
+
+
+class AutogradComputeMLP(torch.autograd.Function):
+    """``fn(self, x)`` untiled, its graph not kept: recomputed in backward (DeepSpeed's
+    one-tile example of :class:`TiledMLP`; ``AutogradComputeMLP.apply(fn, self, x)``)."""
+
+    @staticmethod
+    def forward(ctx, fn, self, x) -> torch.Tensor:
+        ctx.fn, ctx.self = fn, self
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(self, x)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (x,) = ctx.saved_tensors
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad():
+            output = ctx.fn(ctx.self, leaf)
+        torch.autograd.backward(output, grads[0])
+        return None, None, leaf.grad
 
 
 # --------------------------------------------------------------------------- logits + loss

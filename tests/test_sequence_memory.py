@@ -2,7 +2,7 @@
 (``zerotrain.estimate.peak.PeakTracker``) of one forward and backward, as
 bench/sequence_memory.py measures it (no timing).
 
-* a Llama MLP at 2048 tokens: the tiled MLP's peak is a fraction of the plain MLP's (the
+* a Llama-shaped MLP (gate, up, down) at 4096 tokens: the tiled MLP's peak is a fraction of the plain MLP's (the
   plain one keeps three ``seq x intermediate`` tensors for backward and makes more in it;
   the tiled one only ``seq / shards`` rows of them at a time);
 * the whole tiny Llama: tiled MLP and tiled loss each lower the step's peak, in the order
@@ -11,7 +11,8 @@ bench/sequence_memory.py measures it (no timing).
 import pytest
 import torch
 
-SEQ = 2048
+SEQ = 1024       # the Llama step
+MLP_SEQ = 4096   # the MLP alone
 
 
 def _llama():
@@ -27,6 +28,17 @@ def _mlp_fn(self, x):
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _MLP(torch.nn.Module):
+    """LlamaMLP's layout without importing transformers."""
+
+    def __init__(self, hidden: int = 64, inter: int = 256) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+
 def _peak(run) -> int:
     from zerotrain.estimate.peak import PeakTracker
     tracker = PeakTracker()
@@ -38,8 +50,9 @@ def _peak(run) -> int:
 @pytest.mark.slow
 def test_tiled_mlp_lowers_the_mlp_activation_peak_by_a_measured_factor():
     from zerotrain.sequence.tiled import TiledMLP
-    mlp = _llama().model.layers[0].mlp
-    x = torch.randn(1, SEQ, 64, requires_grad=True)
+    torch.manual_seed(0)
+    mlp = _MLP()
+    x = torch.randn(1, MLP_SEQ, 64, requires_grad=True)
     params = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
 
     def plain():
@@ -49,7 +62,7 @@ def test_tiled_mlp_lowers_the_mlp_activation_peak_by_a_measured_factor():
         TiledMLP.apply(_mlp_fn, mlp, x, 16, params).sum().backward()
 
     plain_peak, tiled_peak = _peak(plain), _peak(tiled)
-    intermediate = SEQ * 256 * 4   # one seq x intermediate fp32 tensor
+    intermediate = MLP_SEQ * 256 * 4   # one seq x intermediate fp32 tensor
     assert plain_peak >= 3 * intermediate, plain_peak
     # tiled: x's gradient, the output and its gradient (seq x hidden each) plus one tile
     assert tiled_peak * 4 <= plain_peak, (plain_peak, tiled_peak)

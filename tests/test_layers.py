@@ -48,7 +48,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("muon",), ("optim", "schedules", "dataloader", "offload", "ops",
                  "offload_names", "launcher_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("recompute",), ("zero", "checkpointing")),
+    (("stages",), ("recompute",), ("zero", "checkpointing", "sequence")),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",),),
     # 6. the engine, DeepSpeed's helpers over it, then the entry points

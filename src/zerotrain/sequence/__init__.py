@@ -1,0 +1,1 @@
+"""Long sequences: tiled compute along the sequence (DeepSpeed's ALST)."""

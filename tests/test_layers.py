@@ -44,7 +44,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("optim", "optim_kinds", "schedules", "dataloader", "offload", "ops",
       "offload_names", "launcher_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("recompute",), ("zero", "checkpointing")),
+    (("stages",), ("recompute",), ("zero", "checkpointing"), ("sequence",)),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",), ("utils",)),
     # 6. the engine, then the entry points
@@ -77,13 +77,16 @@ ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures",),
              ("communicator",),
-             ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("__init__",)),
+             ("deepspeed_api", "hierarchy", "mesh", "agreement", "sequence"),
+             ("parallel_state_sp", "groups"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
     "engine": (("parameter_offload",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
-                "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused"),
+                "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused",
+                "sequence"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("__init__",)),
-    "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
+    "core": (("flat", "quantize", "precision", "memory", "log"), ("records", "runtime_utils"),
+             ("__init__",)),
 }
 
 COLLECTIVES = frozenset({

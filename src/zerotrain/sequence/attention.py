@@ -14,6 +14,14 @@ Note: Ulysses attention
     sequence's: sdpa and flash are called without a mask (causal by the module's
     ``is_causal``), eager gets the additive causal mask it needs (DeepSpeed refuses eager
     because that mask is O(seq^2); it is built here, once per shape).
+
+Note: evaluation, not eval mode
+    ``disable_in_eval`` (Accelerate and the Trainer pass True) runs the plain attention on
+    each rank's own batch during evaluation. DeepSpeed tests ``module.training`` alone, so
+    a model trained without ``model.train()`` (``from_pretrained`` returns it in eval mode,
+    and Accelerate's own ALST script never calls ``train()``) silently trains each shard on
+    its own tokens. Here evaluation is eval mode *and* no gradient (the Trainer evaluates
+    under ``torch.no_grad``); a backward-able forward always runs sequence parallel.
 """
 from __future__ import annotations
 
@@ -117,7 +125,8 @@ class UlyssesSPAttentionHF(nn.Module):
         """Attention over the whole sequence for this rank's heads; returns the output of
         this rank's shard ``[bs, seq/S, heads*dim]`` and the attention weights (None for
         sdpa)."""
-        if not module.training and self.disable_in_eval:
+        if self.disable_in_eval and not module.training and not torch.is_grad_enabled():
+            # Note: evaluation, not eval mode
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         self._check_shapes(query, key)
         if self.seq_length_is_variable:

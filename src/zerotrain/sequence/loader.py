@@ -99,7 +99,8 @@ class UlyssesSPDataLoaderAdapter:
             if pad:
                 v = _pad_end(v, pad, positions=(k == "position_ids"))
             batch[k] = v
-        return {k: (v[:, cut].cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
+        return {k: (v[:, cut].cpu().contiguous() if torch.is_tensor(v) else v)
+                for k, v in batch.items()}
 
 
 def _pad_end(t: torch.Tensor, pad: int, *, positions: bool) -> torch.Tensor:

@@ -24,7 +24,8 @@ LENGTHS = (12, 9, 16, 7)   # per micro-step; 9 and 7 are padded to a multiple of
 def model(family: str, attn: str = "sdpa", heads: int = 4, kv: int = 2):
     import transformers
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=48,
+                  num_hidden_layers=2,
                   num_attention_heads=heads, num_key_value_heads=kv,
                   max_position_embeddings=64, attn_implementation=attn)
     if family == "llama":
@@ -197,3 +198,86 @@ def test_sp2_bf16_follows_one_process(worlds):
     results = worlds.run(2, _grid, [("llama", "sdpa", 2, 3, 2, 1, 1.0, "bf16")])
     for case, dl, dw, losses in results[0]:
         assert dl < 5e-2 and dw < 5e-2, (case, dl, dw)
+
+
+def _errors(rank, world):
+    """Each refusal as (type name, message) on this rank."""
+    import types
+
+    import zerotrain
+    from zerotrain.comm import groups
+    from zerotrain.sequence.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    out = {}
+
+    def caught(key, fn):
+        try:
+            fn()
+        except Exception as exc:   # noqa: BLE001 - the test reads what each rank raised
+            out[key] = (type(exc).__name__, str(exc))
+        finally:
+            release()
+
+    register = UlyssesSPAttentionHF.register_with_transformers
+    caught("heads", lambda: register(model_name_or_path=model("llama", heads=3, kv=3),
+                                     core_attn_implementation="sdpa", sequence_parallel_size=2,
+                                     micro_batch_size=1))
+    flex = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=None))
+    caught("flex", lambda: register(model_name_or_path=flex,
+                                    core_attn_implementation="flex_attention",
+                                    sequence_parallel_size=2, micro_batch_size=1))
+    caught("mismatch", lambda: register(model_name_or_path=model("llama", "eager"),
+                                        core_attn_implementation="sdpa",
+                                        sequence_parallel_size=2, micro_batch_size=1))
+    caught("mpu", lambda: zerotrain.initialize(model=model("llama"), mpu=object(),
+                                               config=_config(1, 1, 0.0, "fp32")))
+
+    def different_lengths():
+        net = model("llama")
+        mpu = register(model_name_or_path=net, core_attn_implementation="sdpa",
+                       sequence_parallel_size=2, micro_batch_size=1)
+        engine, *_ = zerotrain.initialize(model=net, optimizer=_optimizer(net.parameters()),
+                                          config=_config(1, 1, 0.0, "fp32"), mpu=mpu)
+        n = 6 + 2 * rank   # each rank its own batch, not its shard of one
+        engine(input_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(n)[None])
+    caught("ranks", different_lengths)
+
+    def no_positions():
+        from zerotrain.comm import parallel_state_sp
+        parallel_state_sp.initialize_sequence_parallel(2)
+        b = sequence(0, 0)
+        del b["position_ids"]
+        next(iter(UlyssesSPDataLoaderAdapter([b], sp_rank=rank, sp_world_size=2, device="cpu",
+                                             sp_group=parallel_state_sp.
+                                             get_sequence_parallel_group())))
+    caught("positions", no_positions)
+
+    def from_config():   # sequence_parallel_size alone builds the mesh, as DeepSpeed's key
+        engine, *_ = zerotrain.initialize(model=model("llama"), config={
+            **_config(1, 1, 0.0, "fp32"), "sequence_parallel_size": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        answers = (engine.sequence_parallel_size, groups._get_sequence_parallel_world_size(),
+                   groups._get_sequence_parallel_rank(), groups._get_data_parallel_group(),
+                   groups._get_sequence_data_parallel_world_size(), engine.train_batch_size())
+        raise RuntimeError(repr(answers))
+    caught("config", from_config)
+    caught("no sp", groups._get_sequence_parallel_group)
+    return out
+
+
+def test_unsupported_inputs_are_refused_by_name_on_every_rank(worlds):
+    """Heads not divisible by S, an attention the wrapper cannot run, a model whose
+    attention differs from the one registered, a Megatron-style mpu, the ranks of one group
+    fed different batches (RankMismatchError on every rank, not a hang), a batch without
+    positions; and ``sequence_parallel_size`` in the config alone builds the groups."""
+    for rank, out in enumerate(worlds.run(2, _errors)):
+        assert out["heads"] == ("ValueError",
+                                "Attention head count 3 is not divisible by SP size 2"), out
+        assert out["flex"][0] == "ValueError" and "flex_attention" in out["flex"][1], out
+        assert out["mismatch"][0] == "ValueError" and "'eager'" in out["mismatch"][1], out
+        assert out["mpu"][0] == "ConfigError" and out["mpu"][1].startswith("mpu:"), out
+        assert out["ranks"][0] == "RankMismatchError", out
+        assert "rank 0: (1, 6, 4, 2, 8)" in out["ranks"][1], out   # (bs, local seq, heads...)
+        assert "rank 1: (1, 8, 4, 2, 8)" in out["ranks"][1], out
+        assert out["positions"][0] == "ValueError" and "position_ids" in out["positions"][1]
+        assert out["config"] == ("RuntimeError", repr((2, 2, rank, None, 2, 1))), out
+        assert out["no sp"][0] == "KeyError", out

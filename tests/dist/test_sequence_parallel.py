@@ -281,3 +281,62 @@ def test_unsupported_inputs_are_refused_by_name_on_every_rank(worlds):
         assert out["positions"][0] == "ValueError" and "position_ids" in out["positions"][1]
         assert out["config"] == ("RuntimeError", repr((2, 2, rank, None, 2, 1))), out
         assert out["no sp"][0] == "KeyError", out
+
+
+def _checkpoint_across_sizes(rank, world, root):
+    """Save at S=2 x DP=2 (stage 3), load at S=4 (stage 3) and without sequence parallelism
+    (S=1, DP=4, stage 2): the full weights and Adam's moments as saved, and a step runs."""
+    import zerotrain
+    from zerotrain.sequence.ulysses_sp import UlyssesSPAttentionHF
+    from zerotrain.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    def engine_at(sp, stage):
+        net = model("llama")
+        mpu = (UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=net, core_attn_implementation="sdpa", sequence_parallel_size=sp,
+            micro_batch_size=1) if sp > 1 else None)
+        engine, *_ = zerotrain.initialize(model=net, optimizer=_optimizer(net.parameters()),
+                                          config=_config(stage, 1, 1.0, "fp32"), mpu=mpu)
+        return engine
+
+    def state(engine):
+        return {n: (safe_get_full_fp32_param(p).clone(),
+                    safe_get_full_optimizer_state(p, "exp_avg_sq").clone())
+                for n, p in engine.module.named_parameters()}
+
+    def step(engine, sp):
+        b = sequence(rank // sp, 0)
+        n = b["input_ids"].shape[1] // sp * sp
+        cut = slice(rank % sp * n // sp, (rank % sp + 1) * n // sp)
+        out = engine(input_ids=b["input_ids"][:, cut], position_ids=b["position_ids"][:, cut])
+        engine.backward(out.logits.float().square().mean())
+        engine.step()
+
+    try:
+        engine = engine_at(2, 3)
+        for _ in range(2):
+            step(engine, 2)
+        saved = state(engine)
+        engine.save_checkpoint(root, tag="sp2")
+        engine.destroy()
+    finally:
+        release()
+    diffs = {}
+    for sp, stage in ((4, 3), (1, 2)):
+        try:
+            engine = engine_at(sp, stage)
+            engine.load_checkpoint(root, tag="sp2")
+            loaded = state(engine)
+            diffs[sp] = max(max(float((loaded[n][i] - saved[n][i]).abs().max()) for i in (0, 1))
+                            for n in saved)
+            step(engine, sp)
+            engine.destroy()
+        finally:
+            release()
+    return diffs
+
+
+def test_checkpoint_saved_under_sp_loads_at_other_sp_and_dp_sizes(worlds, tmp_path):
+    """Sequence parallelism splits no parameter: a checkpoint is the same files at any S."""
+    for diffs in worlds.run(4, _checkpoint_across_sizes, str(tmp_path)):
+        assert diffs == {4: 0.0, 1: 0.0}, diffs

@@ -28,7 +28,6 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
     default group: every rank calls it with the same size). Raises, as DeepSpeed does, when
     the size is 1 or less, larger than the world or does not divide it, or when the groups
     exist already (with another size: :func:`release` first)."""
-    global _MESH, _WORLD
     if not dist.is_initialized():
         raise RuntimeError("initialize_sequence_parallel needs the process group: call "
                            "deepspeed.init_distributed() (zerotrain.init_distributed) first")
@@ -36,6 +35,9 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
     if world_size < sequence_parallel_size:
         raise RuntimeError(f"world_size ({world_size}) is less than sequence_parallel_size "
                            f"{sequence_parallel_size}")
+    if sequence_parallel_size <= 1:
+        raise ValueError(f"sequence_parallel_size must be greater than 1, got "
+                         f"{sequence_parallel_size}")
     if _MESH is not None and _WORLD is dist.group.WORLD:
         if _MESH.sp_size == sequence_parallel_size:
             return   # the same groups again (the Trainer registers once per prepare)
@@ -62,7 +64,7 @@ def current() -> Optional[SequenceMesh]:
 
 
 def adopt(mesh: SequenceMesh) -> None:
-    """Make ``mesh`` the process-wide one (``initialize`` built it from the config)."""
+    """Make ``mesh`` the process-wide one, belonging to the current default group."""
     global _MESH, _WORLD
     _MESH, _WORLD = mesh, dist.group.WORLD
 

@@ -241,6 +241,17 @@ def _errors(rank, world):
         engine(input_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(n)[None])
     caught("ranks", different_lengths)
 
+    def fixed_length():   # registered for 16 tokens (8 a rank), fed 12
+        net = model("llama")
+        mpu = register(model_name_or_path=net, core_attn_implementation="sdpa",
+                       sequence_parallel_size=2, micro_batch_size=1, seq_length=16,
+                       seq_length_is_variable=False)
+        engine, *_ = zerotrain.initialize(model=net, optimizer=_optimizer(net.parameters()),
+                                          config=_config(1, 1, 0.0, "fp32"), mpu=mpu)
+        engine(input_ids=torch.zeros(1, 6, dtype=torch.long),
+               position_ids=torch.arange(6)[None] + 6 * rank)
+    caught("fixed", fixed_length)
+
     def no_positions():
         from zerotrain.comm import parallel_state_sp
         parallel_state_sp.initialize_sequence_parallel(2)
@@ -267,8 +278,8 @@ def _errors(rank, world):
 def test_unsupported_inputs_are_refused_by_name_on_every_rank(worlds):
     """Heads not divisible by S, an attention the wrapper cannot run, a model whose
     attention differs from the one registered, a Megatron-style mpu, the ranks of one group
-    fed different batches (RankMismatchError on every rank, not a hang), a batch without
-    positions; and ``sequence_parallel_size`` in the config alone builds the groups."""
+    fed different batches (RankMismatchError on every rank, not a hang), a length other
+    than the registered fixed one, a batch without positions; and ``sequence_parallel_size`` in the config alone builds the groups."""
     for rank, out in enumerate(worlds.run(2, _errors)):
         assert out["heads"] == ("ValueError",
                                 "Attention head count 3 is not divisible by SP size 2"), out
@@ -279,6 +290,8 @@ def test_unsupported_inputs_are_refused_by_name_on_every_rank(worlds):
         assert "rank 0: (1, 6, 4, 2, 8)" in out["ranks"][1], out   # (bs, local seq, heads...)
         assert "rank 1: (1, 8, 4, 2, 8)" in out["ranks"][1], out
         assert out["positions"][0] == "ValueError" and "position_ids" in out["positions"][1]
+        assert out["fixed"][0] == "ValueError", out
+        assert out["fixed"][1].startswith("local sequence length 6 is not the registered 8"), out
         assert out["config"] == ("RuntimeError", repr((2, 2, rank, None, 2, 1))), out
         assert out["no sp"][0] == "KeyError", out
 

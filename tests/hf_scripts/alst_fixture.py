@@ -46,7 +46,7 @@ def reference_losses(root: str) -> list[float]:
         out = model(input_ids=ids, position_ids=pos)
         loss = model.loss_function(logits=out.logits, labels=None, shift_labels=shift,
                                    vocab_size=model.config.vocab_size)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         loss.backward()
         optimizer.step()
     return losses

@@ -25,7 +25,6 @@ Note: evaluation, not eval mode
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional
 
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 from ..comm import Communicator
 from ..comm import parallel_state_sp
 from ..comm.sequence import all_to_all_dim0, check_same_shapes, gather_along
+from .registration import register
 
 
 def communicator_of(process_group) -> Communicator:
@@ -172,19 +172,8 @@ class UlyssesSPAttentionHF(nn.Module):
         through Ulysses attention, and return the mpu (``parallel_state_sp``) to pass to
         ``initialize(mpu=...)``; None when ``sequence_parallel_size`` is 1. As DeepSpeed's
         (``registration.py`` holds the checks)."""
-        from .registration import register
         return register(cls, model_name_or_path, core_attn_implementation,
                         sequence_parallel_size, micro_batch_size, seq_length=seq_length,
                         seq_length_is_variable=seq_length_is_variable,
                         disable_in_eval=disable_in_eval, max_length=max_length)
 
-
-def model_eager_attention(module: nn.Module):
-    """The ``eager_attention_forward`` of the modeling file that defines ``module``'s class
-    (softcapping, sinks and the like stay the model's own)."""
-    source = inspect.getmodule(type(module))
-    fn = getattr(source, "eager_attention_forward", None)
-    if fn is None:
-        raise ValueError(f"{type(module).__name__} ({getattr(source, '__name__', '?')}) has no "
-                         "eager_attention_forward to wrap; use core_attn_implementation='sdpa'")
-    return fn

@@ -8,8 +8,11 @@ register once per ``prepare``).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Optional
+
+from torch import nn
 
 from ..comm import parallel_state_sp
 
@@ -92,7 +95,6 @@ def _core_function(name: str, table):
                          f"parallelism: {_REFUSED[name]}; use 'sdpa', 'eager' or a flash "
                          "attention variant")
     if name == "eager":
-        from .attention import model_eager_attention
         return lambda module, *args, **kwargs: model_eager_attention(module)(module, *args,
                                                                              **kwargs)
     if name not in table:
@@ -114,3 +116,14 @@ def unregister(core_attn_implementation: str) -> None:
         del ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
     else:
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = original
+
+
+def model_eager_attention(module: nn.Module):
+    """The ``eager_attention_forward`` of the modeling file that defines ``module``'s class
+    (softcapping, sinks and the like stay the model's own)."""
+    source = inspect.getmodule(type(module))
+    fn = getattr(source, "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"{type(module).__name__} ({getattr(source, '__name__', '?')}) has no "
+                         "eager_attention_forward to wrap; use core_attn_implementation='sdpa'")
+    return fn

@@ -127,5 +127,7 @@ def _describe(entry: Optional[tuple]) -> str:
         return f"left the cycle's plan: {label}"
     if op == "plan":
         return f"the optimizer step (its plan of {numel} launches, CRC-32 {label})"
+    if op == "votes":   # Note "vote plans" in engine/vote_plan.py
+        return f"the optimizer step (its record of {numel} votes and collectives, CRC-32 {label})"
     size = "" if numel is None else f" of {numel} elements"
     return f"{op}{size}" + (f" for {label}" if label else "")

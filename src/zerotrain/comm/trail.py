@@ -16,6 +16,8 @@ Note: step fingerprint
     first entry where they differ. Cost per collective: one tuple (its CRC-32 is taken at
     the step); per step: 16 float32 elements (64 bytes) in the all-reduce. Stage 0, which
     has no scalar all-reduce, runs one of 16 elements (counted apart: ``divergence_check``).
+    At stages 0-2 the entries end with the CRC-32 of the cycle's votes and collectives (Note
+    "vote plans" in ``engine/vote_plan.py``), at stage 3 with the launch plan's.
 
 Note: a failed backward
     A rank whose backward raises has launched only part of the step's gradient reductions,

@@ -84,7 +84,8 @@ Note: backwards that reduce
     stage may refuse inside its first gradient's hook, reads its vote at once. Cost per
     vote: one asynchronous all-reduce of six int64; per window, one for each reducing
     backward (``gradient_accumulation_steps`` at stage 2, one at stages 0-1) and one for
-    the update (figures in docs/divergence.md).
+    the update (figures in docs/divergence.md), until the ranks agree on a cycle's votes:
+    then a vote the plan has next is not cast (Note "vote plans" in ``vote_plan.py``).
     ``"backward_votes": false`` (zerotrain's key) turns these votes off, for a script known
     to run the same backwards on every rank; unmanaged accumulation votes regardless.
 """

@@ -130,6 +130,7 @@ def test_a_rank_that_leaves_the_plan_stops_every_rank_within_the_step(worlds, wo
             messages.append(message.split(": ", 1)[1])
         assert len(set(messages)) == 1, (case, messages)   # every rank names the same
         assert "rank 1: " in messages[0], messages[0]
+        assert "left the cycle's plan: " in messages[0], messages[0]   # where, and how
 
 
 def _alike(rank, world, stage, ga, save, folder):

@@ -104,9 +104,13 @@ def _reduce_with_fingerprint(sq: torch.Tensor, comm: Communicator,
             plan.forget()
         trails = comm.all_gather_object(list(trail.entries), label="divergence report")
         trail.restart()
+        first = first_difference(trails)   # and where a rank left a plan, if not there
+        left = "".join(f"; rank {r} left the cycle's plan: {label}" for r, t in
+                       enumerate(trails) for op, _, label in t
+                       if op == "left the plan" and label not in first)
         raise RankDivergenceError(
             f"rank {comm.rank}: the ranks made different collectives in this step "
-            f"({first_difference(trails)}). A rank took another path: a forward on some "
+            f"({first}{left}). A rank took another path: a forward on some "
             "ranks only, an exception caught in the middle of backward, a module or "
             "engine call skipped on one rank. Every rank must run the same forwards, "
             "backwards and steps; see docs/divergence.md")

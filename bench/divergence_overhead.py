@@ -9,7 +9,10 @@ checks without launch plans: a header before every stage-3 launch, as before pla
 0-2, Note "backwards that reduce" in engine/accumulation.py: checked / unvoted is their cost),
 "synchronous" (as shipped but each vote read at once, as votes were before their verdicts
 were deferred, Note "deferred verdicts" in comm/agreement.py: synchronous / unvoted). Each
-width gets its own engine. Reported: median step times, and the median over the run of
+width gets its own engine. Stages 0-2 (``--stages`` without 3) run ``_bench_votes`` instead:
+the votes there stop once a vote plan stands (engine/vote_plan.py), which steps of other
+modes in between would break, so the unvoted and unchecked steps run on an engine of their
+own. Reported: median step times, and the median over the run of
 each checked (headers) step's time over the unchecked step's right after it, in wall time
 and in the training thread's CPU time (which load on the machine disturbs less: what the
 checks add once no header waits is CPU work in that thread), and the CPU time spent inside
@@ -19,7 +22,7 @@ on a plan, zero3/plan.py); the extra launches and check bytes are counted in one
 each mode after it.
 
     PYTHONPATH=src python bench/divergence_overhead.py --world 2 --widths 256 512 1024
-    PYTHONPATH=src python bench/divergence_overhead.py --stages 2 1 --widths 64 256 --ga 1
+    PYTHONPATH=src python bench/divergence_overhead.py --stages 0 1 2 --widths 64 256 --ga 1 4
     PYTHONPATH=src python bench/divergence_overhead.py --round-trip   # one vote alone
 """
 from __future__ import annotations
@@ -186,6 +189,91 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage, ga=1):
     return results
 
 
+VOTE_MODES = ("checked", "unvoted", "unchecked")   # stages 0-2: a step each, in turn
+
+
+def _bench_votes(rank, world, blocks, widths, steps, warmup, stage, ga=1):
+    """Stages 0-2: two engines over equal models take turns step by step, "checked" (as
+    shipped: votes, or none where a vote plan stands, engine/vote_plan.py) and one with
+    ``"backward_votes": false``, run as "unvoted" (the fingerprint still on) and as
+    "unchecked" (the collective trail patched out too). Two engines, because a plan needs
+    consecutive equal cycles: steps of another mode in between would break it."""
+    import torch
+    from torch import nn
+
+    import zerotrain
+    from zerotrain.comm import trail as trail_mod
+    torch.set_num_threads(1)
+    note = trail_mod.CollectiveTrail.note
+    results = {}
+    for width in widths:
+        engines = {}
+        for votes in (True, False):
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                    for _ in range(blocks)])
+            config = {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 10 ** 6,
+                      "gradient_accumulation_steps": ga, "backward_votes": votes,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                      "zero_optimization": {"stage": stage, "overlap_comm": False}}
+            engines[votes], *_ = zerotrain.initialize(model=model, config=config)
+        x = torch.randn(16, width)
+        times = {mode: [] for mode in VOTE_MODES}
+        cpus = {mode: [] for mode in VOTE_MODES}
+        snaps = {}
+        for step in range(len(VOTE_MODES) * (steps + warmup)):
+            mode = VOTE_MODES[step % len(VOTE_MODES)]
+            engine = engines[mode == "checked"]
+            trail_mod.CollectiveTrail.note = (lambda *a: None) if mode == "unchecked" else note
+            ledger = engine.comm.ledger
+            ledger.reset()
+            start, cpu = time.perf_counter(), time.thread_time()
+            for _ in range(ga):   # a step: ga micro-steps
+                loss = engine(x).square().mean()
+                engine.backward(loss)
+                engine.step()
+            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            if step >= len(VOTE_MODES) * warmup:
+                times[mode].append(elapsed)
+                cpus[mode].append(cpu)
+                snaps.setdefault(mode, (ledger.snapshot(), dict(ledger.host_reads)))
+        trail_mod.CollectiveTrail.note = note
+        planned = engines[True]._vote_plan is not None and engines[True]._vote_plan.plan
+        for engine in engines.values():
+            engine.close()
+        medians = {m: statistics.median(t) for m, t in times.items()}
+        for mode in ("unvoted", "unchecked"):
+            medians[f"checked / {mode}"] = statistics.median(
+                c / u for c, u in zip(times["checked"], times[mode]))
+            medians[f"cpu checked / {mode}"] = statistics.median(
+                c / u for c, u in zip(cpus["checked"], cpus[mode]))
+        results[width] = (medians, snaps, bool(planned))
+    return results
+
+
+def _print_votes(args) -> None:
+    print("| stage | ga | width | unchecked | unvoted | checked | checked / unchecked | "
+          "checked / unvoted | CPU checked / unchecked, / unvoted | collectives per step "
+          "checked, unvoted | host reads per step checked, unvoted | check bytes per step "
+          "| plan stood |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for stage in args.stages:
+        for ga in args.ga:
+            per_width, *_ = run_world(_bench_votes, args.world, args.blocks, args.widths,
+                                      args.steps, args.warmup, stage, ga, timeout=3600)
+            for width, (t, snaps, planned) in per_width.items():
+                calls = {m: sum(s["calls"].values()) for m, (s, _) in snaps.items()}
+                reads = {m: sum(r.values()) for m, (_, r) in snaps.items()}
+                check = snaps["checked"][0]["bytes"].get("divergence_check", 0)
+                print(f"| {stage} | {ga} | {width} | {t['unchecked'] * 1e3:.2f} ms | "
+                      f"{t['unvoted'] * 1e3:.2f} ms | {t['checked'] * 1e3:.2f} ms | "
+                      f"{t['checked / unchecked']:.3f} | {t['checked / unvoted']:.3f} | "
+                      f"{t['cpu checked / unchecked']:.3f}, {t['cpu checked / unvoted']:.3f} | "
+                      f"{calls['checked']}, {calls['unvoted']} | "
+                      f"{reads['checked']}, {reads['unvoted']} | {check} | {planned} |",
+                      flush=True)
+
+
 def _round_trip(rank, world, n=500, warmup=50):
     """Microseconds per lone all-reduce of a vote's six int64, launched and read at once,
     and launched asynchronously then waited for."""
@@ -215,7 +303,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps per mode")
     parser.add_argument("--stages", type=int, nargs="+", default=[3])
-    parser.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--ga", type=int, nargs="+", default=[1],
+                        help="gradient_accumulation_steps (stages 0-2: each in turn)")
     parser.add_argument("--round-trip", action="store_true",
                         help="time a lone vote-sized all-reduce instead")
     args = parser.parse_args()
@@ -225,8 +314,14 @@ def main() -> None:
               f"{os.getloadavg()[0]:.1f}: " + ", ".join(f"{m} {t:.0f} us"
                                                        for m, t in times.items()))
         return
+    if all(stage < 3 for stage in args.stages):
+        print(f"{args.world} ranks (gloo), {args.blocks} blocks of Linear(w, w) + Tanh, "
+              f"batch 16, {args.steps} timed steps per mode, alternating; load average "
+              f"{os.getloadavg()[0]:.1f}")
+        _print_votes(args)
+        return
     print(f"{args.world} ranks (gloo), {args.blocks} blocks of Linear(w, w) + Tanh, batch 16, "
-          f"gradient_accumulation_steps {args.ga}, "
+          f"gradient_accumulation_steps {args.ga[0]}, "
           f"{args.steps} timed steps per mode, alternating; load average "
           f"{os.getloadavg()[0]:.1f}")
     print("| stage | width | unchecked | checked | checked / unchecked (median of pairs) | "
@@ -238,7 +333,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for stage in args.stages:
         per_width, *_ = run_world(_bench, args.world, args.blocks, args.widths, args.steps,
-                                  args.warmup, stage, args.ga, timeout=3600)
+                                  args.warmup, stage, args.ga[0], timeout=3600)
         for width, (times, snaps) in per_width.items():
             calls = {m: sum(s["calls"].values()) for m, s in snaps.items()}
             check = snaps["checked"]["bytes"].get("divergence_check", 0)

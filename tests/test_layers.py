@@ -48,7 +48,7 @@ ROWS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("muon",), ("optim", "schedules", "dataloader", "offload", "ops",
                  "offload_names", "launcher_names", "tp"),),
     # 4. the ZeRO stages and what user code sees of them
-    (("stages",), ("recompute",), ("zero", "checkpointing")),
+    (("stages",), ("recompute",), ("zero", "checkpointing"), ("sequence",)),
     # 5. persistence, and DeepSpeed's helpers over it
     (("checkpoint",),),
     # 6. the engine, DeepSpeed's helpers over it, then the entry points
@@ -82,15 +82,16 @@ ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures",),
              ("communicator",),
-             ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("__init__",)),
+             ("deepspeed_api", "hierarchy", "mesh", "agreement", "sequence"),
+             ("parallel_state_sp", "groups"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
-    "engine": (("full_params", "parameter_offload"), ("group_gradients",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+    "engine": (("full_params", "parameter_offload", "vote_plan"), ("group_gradients",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused",
-                "autocast"),
+                "autocast", "sequence"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("build",),
                ("__init__",)),
-    "core": (("flat", "quantize", "precision", "memory", "log"), ("records",), ("__init__",)),
+    "core": (("flat", "quantize", "precision", "memory", "log"), ("records", "runtime_utils"), ("__init__",)),
 }
 
 COLLECTIVES = frozenset({

@@ -61,8 +61,13 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--params", type=_typed(parse_count), metavar="N",
                       help="parameter count: 7B, 1.3B, 350M")
     what.add_argument("--model", metavar="CONFIG",
-                      help="a Hugging Face config.json (GPT-2 or Llama-style) or "
-                      "module:callable returning an nn.Module (built on the meta device)")
+                      help="a Hugging Face config.json (GPT-2 and Llama-style layouts are "
+                      "counted; any other, e.g. T5 or BART, is built on the meta device with "
+                      "its causal-LM, masked-LM or seq2seq head) or module:callable returning "
+                      "an nn.Module (built on the meta device). A traced step calls the model "
+                      "as model(input_ids=ids, labels=ids), ids [micro-batch, seq-len] token "
+                      "ids below config.vocab_size (256 without one), plus decoder_input_ids "
+                      "for an encoder-decoder; the output's .loss (or the output) is the loss")
     p.add_argument("--gpus", type=_typed(_whole(MAX_GPUS_PER_NODE)), default=1, metavar="G",
                    help="GPUs per node (default 1)")
     p.add_argument("--nodes", type=_typed(_whole(MAX_WORLD)), default=1,
@@ -75,6 +80,14 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=_typed(_whole(MAX_WORLD)), default=1, metavar="T",
                    help="tensor_parallel.autotp_size: AutoTP over groups of T GPUs (must "
                    "divide the GPUs and the model's heads; default 1)")
+    p.add_argument("--sp", type=_typed(_whole(MAX_WORLD)), default=1, metavar="S",
+                   help="sequence_parallel_size: Ulysses sequence parallelism over groups of "
+                   "S GPUs (must divide the GPUs, the model's heads and --seq-len; "
+                   "activations per GPU shrink by S; default 1)")
+    p.add_argument("--tiled-mlp", action="store_true",
+                   help="activations with DeepSpeed's TiledMLP in every layer")
+    p.add_argument("--tiled-loss", type=_typed(_whole(MAX_SEQ_LEN)), default=1, metavar="N",
+                   help="activations with TiledFusedLogitsLoss over N tiles (default 1: off)")
     p.add_argument("--gpu-memory", type=_typed(parse_bytes), metavar="SIZE",
                    help="memory per GPU (80GB, 24GiB): recommend a stage and print its config")
     p.add_argument("--cpu-memory", type=_typed(parse_bytes), metavar="SIZE",
@@ -115,7 +128,20 @@ def _model_shape(parser: argparse.ArgumentParser, spec: str) -> ModelShape:
     is_file = spec.endswith(".json") or (os.path.isfile(spec) and not spec.endswith(".py"))
     try:
         if is_file:
-            return shape_from_hf_config(spec)
+            try:
+                return shape_from_hf_config(spec)
+            except ValueError as exc:
+                if "cannot count model_type" not in str(exc):
+                    raise
+            from .planner.spec import shape_of_config   # a layout the arithmetic does not count
+            try:
+                return shape_of_config(spec)
+            except ValueError:
+                raise
+            except Exception as built:   # noqa: BLE001 - transformers' own refusal
+                raise ValueError(f"{spec}: transformers could not build it on the meta device "
+                                 f"({type(built).__name__}: {str(built).splitlines()[0]})"
+                                 ) from None
         if ":" in spec:
             return shape_from_module_spec(spec)
     except ValueError as exc:
@@ -190,6 +216,10 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.model:
         parser.error("argument --stage/--offload/--activation-checkpointing/--json/--fit: "
                      "tracing a step needs --model (a config.json or module:callable)")
+    if args.sp > 1 or args.tiled_mlp or args.tiled_loss > 1:
+        parser.error("argument --sp/--tiled-mlp/--tiled-loss: the traced step does not run "
+                     "sequence parallelism or tiling; drop --stage/--offload/"
+                     "--activation-checkpointing/--json/--fit for the arithmetic estimate")
     if not (args.micro_batch and args.seq_len):
         parser.error("argument --micro-batch/--seq-len: tracing a step needs both")
     if args.write and not args.fit:
@@ -263,6 +293,22 @@ def _tp_split(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Opti
     return split
 
 
+def _check_sp(parser: argparse.ArgumentParser, args: argparse.Namespace,
+              shape: Optional[ModelShape]) -> None:
+    """``--sp`` against the world, the model's heads and the sequence; with ``--tp`` it is
+    refused (the two are not planned together)."""
+    from .estimate.models import check_sequence_parallel
+
+    if args.tp > 1:
+        parser.error("argument --sp: sequence parallelism with --tp is not planned; "
+                     "use one of them")
+    try:
+        check_sequence_parallel(args.sp, args.gpus * args.nodes,
+                                shape.num_heads if shape else None, args.seq_len)
+    except ValueError as exc:
+        parser.error(f"argument --sp: {exc}")
+
+
 def _check_seq_len(parser: argparse.ArgumentParser, seq_len: int, shape: ModelShape) -> None:
     try:
         check_positions(seq_len, shape.max_positions, shape.positions_from)
@@ -311,6 +357,10 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return run_trace(args, parser)
     if args.write and not args.gpu_memory:
         parser.error("argument --write: needs --gpu-memory to choose the stage to write")
+    if (args.sp > 1 or args.tiled_mlp or args.tiled_loss > 1) and not (args.micro_batch
+                                                                        and args.seq_len):
+        parser.error("argument --sp/--tiled-mlp/--tiled-loss: they change the activation "
+                     "estimate, which needs --model with --micro-batch and --seq-len")
     _check_bf16_states(parser, args)
     shape = _model_shape(parser, args.model) if args.model else None
     if (args.micro_batch or args.seq_len) and shape is None:
@@ -319,13 +369,16 @@ def run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if args.seq_len:
         _check_seq_len(parser, args.seq_len, shape)
     split = _tp_split(parser, args) if args.tp > 1 else None
+    if args.sp > 1:
+        _check_sp(parser, args, shape)
     total = shape.total_params if shape else args.params
     request = EstimateRequest(
         total_params=total, tp=args.tp, split_params=None if split is None else min(split, total),
         gpus_per_node=args.gpus,
         nodes=args.nodes, dtype=args.dtype, optimizer=args.optimizer, shape=shape,
         micro_batch=args.micro_batch, seq_len=args.seq_len, gpu_memory=args.gpu_memory,
-        cpu_memory=args.cpu_memory)
+        cpu_memory=args.cpu_memory, sp=args.sp, tiled_mlp=args.tiled_mlp,
+        loss_tiles=args.tiled_loss)
     report = estimate(request)
     print(report.render())
     if args.write:

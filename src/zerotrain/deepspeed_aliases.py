@@ -35,7 +35,7 @@ ALIASES: dict[str, Optional[str]] = {
     "deepspeed.runtime.activation_checkpointing.checkpointing": "zerotrain.checkpointing",
     "deepspeed.runtime.lr_schedules": "zerotrain.schedules",
     "deepspeed.runtime.dataloader": "zerotrain.dataloader",
-    "deepspeed.runtime.utils": "zerotrain.core.memory",
+    "deepspeed.runtime.utils": "zerotrain.core.runtime_utils",
     "deepspeed.runtime.pipe": "zerotrain.pipe",
     "deepspeed.runtime.pipe.engine": "zerotrain.pipe",
     "deepspeed.runtime.pipe.module": "zerotrain.pipe",
@@ -46,6 +46,11 @@ ALIASES: dict[str, Optional[str]] = {
     # ``accelerate launch --use_deepspeed`` (its launcher's constants only)
     "deepspeed.launcher": None,
     "deepspeed.launcher.runner": "zerotrain.launcher_names",
+    # Ulysses sequence parallelism (ALST)
+    "deepspeed.utils.groups": "zerotrain.comm.groups",
+    "deepspeed.runtime.sequence_parallel": None,
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": "zerotrain.sequence.ulysses_sp",
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": "zerotrain.comm.parallel_state_sp",
 }
 # DeepSpeed's names its own unit tests and their harness import: build and op records,
 # runtime.zero.config's models, and the optimizer classes for isinstance (optim/kinds.py).

@@ -106,4 +106,6 @@ class RankDivergenceError(RankMismatchError):
 
 class TilingError(ZeroTrainError, ValueError, RuntimeError):
     """A ``TiledLinear`` that cannot be built or fed: a split count out of range, an input
-    or a source layer of the wrong shape. A ``RuntimeError`` too, as DeepSpeed raises."""
+    or a source layer of the wrong shape; or a tiled computation along the sequence
+    (``sequence/tiled.py``) given a bad shard count, reduction or input shape. A
+    ``RuntimeError`` too, as DeepSpeed raises."""

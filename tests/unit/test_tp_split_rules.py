@@ -85,7 +85,9 @@ def test_parallelize_gives_each_rank_its_slice_under_the_same_names():
 
 @pytest.mark.parametrize("raw,key", [
     ({"tensor_parallel": {"autotp_size": 3}}, "tensor_parallel.autotp_size"),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
+    ({"sequence_parallel_size": 3}, "sequence_parallel_size"),
+    ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}},
+     "sequence_parallel_size"),
     ({"pipeline": {"stages": 2}}, "pipeline.stages"),
     ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [
         {"patterns": ["x"], "partition_type": "diagonal"}]}}},

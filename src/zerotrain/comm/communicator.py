@@ -120,6 +120,9 @@ class Communicator:
         # the error of a vote that stopped the ranks (its verdict, or the vote's failure):
         # after it nothing more is to be launched (Note "deferred verdicts" in agreement.py)
         self.stopped_by_vote: Optional[BaseException] = None
+        # the engine's plan of the cycle's votes (Note "vote plans" in engine/vote_plan.py):
+        # the step's all-reduce ends its cycle; None where no plan is kept
+        self.vote_plan: Any = None
 
     # ------------------------------------------------------------------ topology
     def discover_topology(self) -> Topology:
@@ -196,7 +199,8 @@ class Communicator:
         self.ledger.record("all_reduce", tensor, factor=2, reach=self.reach, carried=carried)
         return self._call("all_reduce", tensor, label, async_op,
                           lambda: _public("all_reduce")(tensor, op=_reduce_op(op),
-                                                        group=self.group, async_op=async_op))
+                                                        group=self.group, async_op=async_op),
+                          detail=op if carried < tensor.numel() else "check")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
                        async_op: bool = False, label: str = ""):
@@ -243,6 +247,8 @@ class Communicator:
             failure.elements = sum(o.numel() for o in outputs)
             logger.debug("%s", failure.what())
         self.ledger.trail.note("all_gather", len(outputs), label)
+        if self.ledger.launches is not None:   # Note "vote plans" in engine/vote_plan.py
+            self.ledger.launches(self, "all_gather_into_many", None, "")
         try:
             launches = self._gather_many(outputs, inputs)
         except Exception as exc:
@@ -326,12 +332,14 @@ class Communicator:
             raise _Failure(self, "all_to_all", input, label).error(exc) from exc
 
     def _call(self, op: str, tensor: Optional[torch.Tensor], label: str, async_op: bool,
-              launch):
+              launch, detail: str = ""):
         """Run a collective; name it in any error (Note: named failures), and with ``debug``
-        log it first. A deferred verdict is read first."""
+        log it first. A deferred verdict is read first; a vote plan's recorder is told."""
         if self._unread:
             self.read_deferred()
         self.ledger.trail.note(op, None if tensor is None else tensor.numel(), label)
+        if self.ledger.launches is not None:   # Note "vote plans" in engine/vote_plan.py
+            self.ledger.launches(self, op, tensor, detail)
         if self.debug:
             logger.debug("%s", _Failure(self, op, tensor, label).what())
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,12 @@ class CommLedger:
     by_reach: dict = field(default_factory=lambda: {r: Counter() for r in REACHES})
     # the step's collectives in order (``trail.py``); ``reset`` leaves it alone
     trail: CollectiveTrail = field(default_factory=CollectiveTrail)
+    # results of collectives read on the host (a device-to-host copy and a wait on a
+    # device), per purpose: the proxies of a step's host round trips; ``reset`` clears it
+    host_reads: Counter = field(default_factory=Counter)
+    # told of each collective launched (communicator, operation, tensor, detail) where the
+    # engine keeps a vote plan (Note "vote plans" in engine/vote_plan.py), else None
+    launches: Optional[Callable] = None
 
     def record(self, op: str, tensor: torch.Tensor, factor: int = 1,
                reach: str = "intra_node", carried: int = 0) -> None:
@@ -73,6 +79,7 @@ class CommLedger:
         self.calls.clear()
         self.elements.clear()
         self.nbytes.clear()
+        self.host_reads.clear()
         for counter in self.by_reach.values():
             counter.clear()
 

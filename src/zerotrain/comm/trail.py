@@ -16,6 +16,8 @@ Note: step fingerprint
     first entry where they differ. Cost per collective: one tuple (its CRC-32 is taken at
     the step); per step: 16 float32 elements (64 bytes) in the all-reduce. Stage 0, which
     has no scalar all-reduce, runs one of 16 elements (counted apart: ``divergence_check``).
+    At stages 0-2 the entries end with the CRC-32 of the cycle's votes and collectives (Note
+    "vote plans" in ``engine/vote_plan.py``), at stage 3 with the launch plan's.
 
 Note: a failed backward
     A rank whose backward raises has launched only part of the step's gradient reductions,
@@ -127,5 +129,7 @@ def _describe(entry: Optional[tuple]) -> str:
         return f"left the cycle's plan: {label}"
     if op == "plan":
         return f"the optimizer step (its plan of {numel} launches, CRC-32 {label})"
+    if op == "votes":   # Note "vote plans" in engine/vote_plan.py
+        return f"the optimizer step (its record of {numel} votes and collectives, CRC-32 {label})"
     size = "" if numel is None else f" of {numel} elements"
     return f"{op}{size}" + (f" for {label}" if label else "")

@@ -12,6 +12,9 @@ Note: the world of the triangle
     both go that way). The T ranks of a tensor-parallel group train on one micro-batch,
     so the samples one optimizer step sees are ``train_batch_size / T``; gradients are
     averaged over the N/T data-parallel ranks (docs/tensor-parallel.md, "The batch").
+    Sequence parallelism is counted the other way, as DeepSpeed counts it: with
+    ``sequence_parallel_size`` S (or an mpu of S) the world of the triangle is N/S, the
+    ranks that draw different samples (docs/sequence-parallel.md).
 """
 from __future__ import annotations
 

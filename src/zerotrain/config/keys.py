@@ -63,7 +63,7 @@ _UNIMPLEMENTED_NAMES = {
         gradient_predivide_factor graph_harvesting hybrid_engine log_level
         memory_breakdown nebula pipeline prescale_gradients
         progressive_layer_drop quantize_training seq_parallel_comm_data_type
-        sequence_parallel_size sparse_attention sparse_gradients tensorboard
+        sparse_attention sparse_gradients tensorboard
         timers use_data_before_expert_parallelism vocabulary_size wandb
         weight_quantization""",
     # DeepSpeed takes both the stage3_ alias and the bare field name of its stage-3 options.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from typing import Any, Dict, Mapping, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 from ..errors import ConfigError
 from .batch import _resolve_batch
@@ -18,13 +18,19 @@ from .keys import ZeroTrainConfigWarning, unimplemented_message
 from .schema import ZeroTrainConfig
 from .sections import SCHEDULER_TYPES, ActivationCheckpointingConfig
 from .source import _read
-from .tensor_parallel import check_other_parallelism, tensor_parallel_size
+from .tensor_parallel import (check_other_parallelism, sequence_parallel_size,
+                              tensor_parallel_size)
 from .walk import _choose, _clean, _prepare_optimizer, _reject_auto, _validate, _Walk
 
 
 def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None], *,
-                world_size: int, warn_unimplemented: bool = True) -> ZeroTrainConfig:
+                world_size: int, warn_unimplemented: bool = True,
+                sequence_parallel: Optional[int] = None) -> ZeroTrainConfig:
     """Validate ``config`` (a dict, a JSON file path, or None) for ``world_size`` ranks.
+
+    ``sequence_parallel``: the Ulysses size of an ``mpu`` given to ``initialize``, which
+    sets ``sequence_parallel_size``; with S > 1 the batch-size triangle counts the N/S
+    data-parallel ranks, as DeepSpeed's does.
 
     Raises ConfigError for anything unusable; warns once (ZeroTrainConfigWarning) listing the
     DeepSpeed keys that were accepted but are not implemented and what was ignored as
@@ -43,7 +49,10 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", None],
         scheduler["type"] = _choose(scheduler["type"], SCHEDULER_TYPES, "scheduler.type",
                                     ignore_case=False)
     tensor_parallel_size(data, world_size)   # refuses a size that does not divide the world
-    _resolve_batch(data, world_size)   # Note "the world of the triangle" in batch.py
+    sp = sequence_parallel_size(data, world_size, sequence_parallel)
+    if sp > 1:
+        data["sequence_parallel_size"] = sp
+    _resolve_batch(data, world_size // sp)   # Note "the world of the triangle" in batch.py
     result = _validate(ZeroTrainConfig, data, "", walk)
     result = ignore_param_offload_below_stage3(result)
     _check_combinations(result, walk)

@@ -37,6 +37,8 @@ class ZeroTrainConfig(_Section):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    # Ulysses: ranks sharing each sequence (zerotrain.sequence; 1: off)
+    sequence_parallel_size: int = Field(1, ge=1)
     steps_per_print: Union[int, float] = 10   # a whole number >= 1, or inf: never (Accelerate)
     wall_clock_breakdown: bool = False
     communication_data_type: Optional[PrecisionName] = None   # gradient reductions

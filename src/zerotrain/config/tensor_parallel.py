@@ -87,23 +87,34 @@ def tensor_parallel_size(data: Mapping[str, Any], world_size: int) -> int:
     return size
 
 
-# Keys of other model-parallel schemes that cannot run beside (or without) a mesh here.
-_OTHER_PARALLELISM = {
-    "sequence_parallel_size": "sequence parallelism (Ulysses) is not implemented",
-    "pipeline": "pipeline parallelism is not implemented",
-}
+def sequence_parallel_size(data: Mapping[str, Any], world_size: int,
+                           given: Optional[int] = None) -> int:
+    """The Ulysses size S of an unvalidated config, or ``given`` (an ``mpu``'s, which wins,
+    as in DeepSpeed, but must agree with a size the config sets); 1 when unset (the schema
+    reports a bad value). ConfigError when S does not divide the world, or with
+    ``tensor_parallel.autotp_size`` (one model-parallel mesh at a time)."""
+    size = data.get("sequence_parallel_size")
+    size = size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+    if given is not None:
+        if size > 1 and size != given:
+            raise ConfigError("sequence_parallel_size", f"{size} differs from the mpu's "
+                              f"sequence-parallel world size {given}", value=size)
+        size = given
+    if size > 1 and world_size % size:
+        raise ConfigError("sequence_parallel_size", f"{size} does not divide the world size "
+                          f"{world_size}", value=size)
+    if size > 1 and tensor_parallel_size(data, world_size) > 1:
+        raise ConfigError("sequence_parallel_size", "sequence parallelism does not combine "
+                          "with tensor_parallel.autotp_size; use one of them", value=size)
+    return size
 
 
 def check_other_parallelism(raw: Mapping[str, Any]) -> None:
-    """Refuse sequence and pipeline parallelism by name when they would change training:
-    ``sequence_parallel_size`` above 1, a ``pipeline`` section with more than one stage."""
-    sp = raw.get("sequence_parallel_size")
-    if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1:
-        why = _OTHER_PARALLELISM["sequence_parallel_size"]
-        raise ConfigError("sequence_parallel_size", f"{why}; remove the key or set it to 1",
-                          value=sp)
+    """Refuse pipeline parallelism by name when it would change training: a ``pipeline``
+    section with more than one stage."""
     pipeline = raw.get("pipeline")
     stages = pipeline.get("stages", 1) if isinstance(pipeline, dict) else 1
     if isinstance(stages, int) and not isinstance(stages, bool) and stages > 1:
-        raise ConfigError("pipeline.stages", f"{_OTHER_PARALLELISM['pipeline']}; zerotrain "
-                          "combines ZeRO with tensor_parallel.autotp_size only", value=stages)
+        raise ConfigError("pipeline.stages", "pipeline parallelism is not implemented; "
+                          "zerotrain combines ZeRO with tensor_parallel.autotp_size or "
+                          "sequence_parallel_size only", value=stages)

@@ -84,7 +84,8 @@ Note: backwards that reduce
     stage may refuse inside its first gradient's hook, reads its vote at once. Cost per
     vote: one asynchronous all-reduce of six int64; per window, one for each reducing
     backward (``gradient_accumulation_steps`` at stage 2, one at stages 0-1) and one for
-    the update (figures in docs/divergence.md).
+    the update (figures in docs/divergence.md), until the ranks agree on a cycle's votes:
+    then a vote the plan has next is not cast (Note "vote plans" in ``vote_plan.py``).
     ``"backward_votes": false`` (zerotrain's key) turns these votes off, for a script known
     to run the same backwards on every rank; unmanaged accumulation votes regardless.
 """
@@ -94,6 +95,7 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 from ..comm.agreement import vote
+from .vote_plan import VotePlan
 from ..errors import AccumulationModeError, ContextMisuseError, RankDivergenceError
 
 
@@ -112,6 +114,7 @@ class EngineAccumulation:
     _in_step = False          # step() is running (the boundary in unmanaged mode)
     _window_backwards = 0     # backwards since the last update (unmanaged global_samples)
     _micro_backwards = 0      # backwards since the last micro-step's end or update (votes)
+    _vote_plan: Optional[VotePlan] = None   # stages 0-2: Note "vote plans" in vote_plan.py
     micro_steps: int
 
     def managed_gradient_accumulation(self) -> bool:
@@ -148,8 +151,9 @@ class EngineAccumulation:
         if not self.managed_gradient_accumulation():
             if not (update or self.stage.reduces_every_micro_step):
                 return
-            vote(self.comm, (update, self._window_backwards),
-                 label=f"unmanaged accumulation: {event}", refuse=self._unmanaged_refusal)
+            values = (update, self._window_backwards)
+            self._vote(("unmanaged", *values), values, label=f"unmanaged accumulation: {event}",
+                       refuse=self._unmanaged_refusal)
             return
         held = event == "held"   # a stage-1 block's exit, as its last backward (Note)
         backward = event == "backward"
@@ -161,16 +165,38 @@ class EngineAccumulation:
         values = ((_EVENTS.index("backward"), self.micro_steps, self._micro_backwards - 1)
                   if held else (_EVENTS.index(event), self.micro_steps, self._micro_backwards))
         label = f"backward vote: {'backward' if held else event}"   # the step's trail too
-        vote(self.comm, values, label=label, refuse=self._backward_refusal,
-             deferred=not backward or not self._micro_backwards)
+        plan = self._vote_plan
+        key = ("managed", values[0], values[1] - (plan.base if plan else 0), values[2])
+        self._vote(key, values, label=label, refuse=self._backward_refusal,
+                   deferred=not backward or not self._micro_backwards)
+
+    def _vote(self, key: tuple, values: tuple, *, label: str, refuse,
+              deferred: bool = True) -> None:
+        """Cast a position vote, unless the cycle's vote plan has this one next (Note
+        "vote plans" in engine/vote_plan.py: ``key`` is ``values`` with the micro-step
+        counted from the last step)."""
+        plan = self._vote_plan
+        if plan is not None and plan.admit(key, lambda: self._describe_vote_key(key)):
+            return
+        vote(self.comm, values, label=label, refuse=refuse, deferred=deferred)
+
+    def _describe_vote_key(self, key: tuple) -> str:
+        """A vote plan's key as the votes' errors read it (Note "vote plans")."""
+        if key[0] == "unmanaged":
+            return _unmanaged(*key[1:])
+        plan = self._vote_plan
+        event, micro_step, backwards = key[1:]
+        return _managed(event, micro_step + (plan.base if plan else 0), backwards)
 
     def _agree_on_call(self, call: str) -> None:
         """Before ``save_checkpoint`` or ``load_checkpoint`` (``call``), collective: every
         rank is making this call, or every rank raises RankDivergenceError together
         (docs/divergence.md, "Collective calls"). At stages 0-2 a vote shaped as the
         training votes (a peer still training meets it at its next backward or update vote
-        and raises there); at stage 3 a header (``agree_on_call``) that meets the peer's
-        next unit gather or step. Read at once: nothing of the call starts before."""
+        and raises there; where a vote plan stands, this rank leaves it first: Note "vote
+        plans" in engine/vote_plan.py); at stage 3 a header (``agree_on_call``) that meets
+        the peer's next unit gather or step. Read at once: nothing of the call starts
+        before."""
         if self.stage.partitions_parameters:
             agree = getattr(self.stage, "agree_on_call", None)
             if agree is not None:
@@ -181,6 +207,8 @@ class EngineAccumulation:
             describe = _managed
         else:
             values, describe = (_UNMANAGED_CALLS.index(call), self._window_backwards), _unmanaged
+        if self._vote_plan is not None:
+            self._vote_plan.leave_for(f"{call}() ({describe(*values)})")
         vote(self.comm, values, label=f"{call} vote", deferred=False,
              refuse=lambda seen: self._call_refusal(call, seen, describe))
 

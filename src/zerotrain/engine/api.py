@@ -63,8 +63,22 @@ class DeepSpeedEngineAPI:
     @property
     def dp_world_size(self) -> int:
         """Ranks of the data-parallel group: every rank, or world / T with
-        ``tensor_parallel.autotp_size`` T (``zerotrain.tp``)."""
-        return getattr(self.stage, "data_parallel_world_size", self.comm.world_size)
+        ``tensor_parallel.autotp_size`` T (``zerotrain.tp``), or world / S with
+        ``sequence_parallel_size`` S (the ranks that draw different samples)."""
+        return getattr(self.stage, "data_parallel_world_size",
+                       self.comm.world_size // self.sequence_parallel_size)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks sharing each sequence (Ulysses, ``zerotrain.sequence``); 1 without."""
+        return self.config.sequence_parallel_size
+
+    def get_sequence_parallel_group(self):
+        """The process group of this rank's sequence-parallel group (DeepSpeed's accessor);
+        None without sequence parallelism."""
+        from ..comm import parallel_state_sp
+        return (parallel_state_sp.get_sequence_parallel_group()
+                if self.sequence_parallel_size > 1 else None)
 
     @property
     def mp_world_size(self) -> int:
@@ -76,7 +90,8 @@ class DeepSpeedEngineAPI:
         return self.dp_world_size
 
     def get_data_parallel_rank(self) -> int:
-        return self.comm.rank // self.mp_world_size   # Note "the mesh" in comm/mesh.py
+        # Note "the mesh" in comm/mesh.py and "the sequence mesh" in comm/sequence.py
+        return self.comm.rank // (self.mp_world_size * self.sequence_parallel_size)
 
     # ------------------------------------------------------------------ ZeRO
     def zero_optimization(self) -> bool:

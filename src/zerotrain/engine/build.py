@@ -12,7 +12,9 @@ The order matters and is written down here:
 6. with ``tensor_parallel.autotp_size`` T > 1, the mesh and the model's layers split over
    it (``tp/``), after the broadcast so every rank cuts its slice from the same weights;
    the stage then shards over the data-parallel ranks only (at stage 3 it partitions
-   the slices: ``tp/zero3.py``);
+   the slices: ``tp/zero3.py``); with sequence parallelism (an mpu from
+   ``register_with_transformers``, or ``sequence_parallel_size``) the sequence mesh, the
+   stage sharding over every rank and averaging over the N/S data-parallel ones;
 7. the stage, which shards the optimizer and installs the gradient hooks;
 8. the scheduler and the data loader, which need the stage's optimizer and the
    data-parallel world size;
@@ -42,6 +44,7 @@ from .compile import refuse_precompiled
 from .autocast import check_reduction as check_autocast_reduction
 from ..config import (ZeroTrainConfig, ZeroTrainConfigWarning, load_config, read_config_dict,
                      unimplemented_message)
+from .sequence import sequence_parallel_of, use_sequence_mesh
 from ..dataloader import DistributedLoader
 from .engine import ZeroEngine
 from .fingerprint import check_same_across_ranks, fingerprint
@@ -100,9 +103,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if model is None:
         raise ConfigError("model", "initialize() needs model=")
     refuse_precompiled(model)
-    if mpu is not None:
-        raise ConfigError("mpu", "model parallelism (mpu) is not supported; zerotrain is "
-                          "data parallel")
+    sp_given = sequence_parallel_of(mpu)   # ConfigError for an mpu it cannot use
     source = _config_source(args, config, config_params)
     timeout = _comms_timeout(source)
     adopted = dist.is_initialized()
@@ -110,7 +111,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                      timeout=timeout or DEFAULT_TIMEOUT)
     if adopted and timeout is not None:   # a group made before us: give it our timeout
         set_group_timeout(timeout)
-    cfg = load_config(source, world_size=dist.get_world_size(), warn_unimplemented=False)
+    cfg = load_config(source, world_size=dist.get_world_size(), warn_unimplemented=False,
+                      sequence_parallel=sp_given)
     if (cfg.unimplemented_keys or cfg.ignored_keys) and dist.get_rank() == 0:  # once per job
         warnings.warn(unimplemented_message(cfg.unimplemented_keys, cfg.ignored_keys),
                       ZeroTrainConfigWarning, stacklevel=_user_stacklevel())
@@ -159,6 +161,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         model_parameters = list(model_parameters)   # its split parameters are replaced
     plan = _split_tensor_parallel(model, cfg, comm, optimizer, model_parameters)
     stage_comm = comm if plan is None else plan.mesh.dp   # ZeRO over data parallel only
+    # Ulysses: ZeRO over every rank, gradients averaged over the N/S data-parallel ones
+    average_over = use_sequence_mesh(mpu, cfg.sequence_parallel_size, comm)
     muon = None if inference else muon_setup.check_and_tag(cfg, optimizer, model)
     groups = [] if inference else trainable_groups(model, optimizer, model_parameters, muon)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -167,7 +171,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         groups=[([names[id(p)] for p in g["params"]], g["params"]) for g in groups],
         comm=stage_comm, policy=policy, zero_config=cfg.zero_optimization,
         make_optimizer=(no_optimizer if inference
-                        else optimizer_factory(cfg, optimizer, groups, device)))
+                        else optimizer_factory(cfg, optimizer, groups, device)),
+        average_over=average_over)
     muon_setup.bind(stage, model)   # Muon's matrices in the shards (muon/sharded.py)
     if plan is not None:
         stage = TensorParallelStage(stage, plan, model)

@@ -37,6 +37,7 @@ from .compile import Compilation, EngineCompile
 from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
 from .accumulation import EngineAccumulation
+from .vote_plan import vote_plan_for
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
@@ -121,6 +122,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                                                                        None))
             self._param_watch.install()
             stage.zerotrain_param_watch = self._param_watch   # removed by close_stage
+        if not self.inference_only:   # Note "vote plans" in vote_plan.py
+            self._vote_plan = vote_plan_for(self)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ training
@@ -362,6 +365,8 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             self.wait_for_checkpoint()
         finally:
             self._checkpoint_writer = None      # its staging buffer goes with it
+            if self._vote_plan is not None:
+                self._vote_plan.close()
             close_stage(self.stage, self.module)   # the parameter watch too
 
     def _skip(self, outcome: StepOutcome) -> Optional[NonFiniteGradientError]:

@@ -16,6 +16,18 @@ Note: activation memory
     input survives, ``2*s*b*h`` bytes per layer, plus one layer's full activations while it
     is recomputed. The logits of the last layer add ``4*s*b*V`` bytes (fp32 for the loss).
     fp32 training doubles the per-layer terms.
+
+Note: sequence parallelism and tiling
+    Ulysses sequence parallelism over S ranks (``sequence_parallel_size``, DeepSpeed's
+    ALST) leaves each rank ``s/S`` tokens of every per-token activation; inside attention
+    a rank holds the whole sequence for ``a/S`` heads, so the score term keeps one full
+    ``s``: per layer ``(s/S)*b*h*(34 + 5*a*s/h)``. The all-to-all that swaps sequence for
+    heads holds a send and a receive copy of q, k and v, ``12*(s/S)*b*h`` bytes, one layer
+    at a time. A tiled MLP (``TiledMLP``) saves only its input, dropping the ``16*s*b*h``
+    of its two intermediates per layer and adding one tile of them (DeepSpeed's tile is
+    ``h`` tokens: ``16*b*h*h``) at a time. A tiled loss (``TiledFusedLogitsLoss`` over N
+    tiles) keeps one tile of the logits, ``4*s*b*V/N``. Model states do not change: ZeRO
+    shards them over all ranks, sequence-parallel ones included.
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ from typing import Any, Mapping, Optional
 from .. import untrusted
 
 __all__ = ["MAX_DIMENSION", "ModelShape", "SequenceLengthError", "activation_bytes",
-           "check_positions", "position_table", "shape_from_hf_config", "shape_from_module",
+           "check_positions", "check_sequence_parallel", "position_table", "shape_from_hf_config", "shape_from_module",
            "shape_from_module_spec"]
 
 # The largest value of any one model dimension in a config (hidden size, layers, heads,
@@ -212,9 +224,18 @@ def _shape_fields(model: Any) -> dict:
                 else dict(vars(cfg)) if hasattr(cfg, "__dict__") else {})
         pick = {field: next((data[k] for k in keys if isinstance(data.get(k), int)), None)
                 for field, keys in (("hidden_size", ("hidden_size", "n_embd", "d_model")),
-                                    ("num_layers", ("num_hidden_layers", "n_layer")),
-                                    ("num_heads", ("num_attention_heads", "n_head")),
+                                    ("num_layers", ("num_hidden_layers", "n_layer",
+                                                    "num_layers")),
+                                    ("num_heads", ("num_attention_heads", "n_head",
+                                                   "num_heads", "encoder_attention_heads")),
                                     ("vocab_size", ("vocab_size",)))}
+        # an encoder-decoder: both stacks' layers (T5: num_layers + num_decoder_layers;
+        # BART: encoder_layers + decoder_layers), counted as decoder layers
+        stacks = [data.get(k) for k in (("num_layers", "num_decoder_layers")
+                                        if "num_decoder_layers" in data
+                                        else ("encoder_layers", "decoder_layers"))]
+        if all(isinstance(n, int) for n in stacks):
+            pick["num_layers"] = sum(stacks)
         if any(v is not None for v in pick.values()):
             return pick
     return {}
@@ -285,18 +306,42 @@ def shape_from_module_spec(spec: str) -> ModelShape:
 
 def activation_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, dtype: str,
                      checkpointing: bool, fused_attention: bool = False,
-                     tp: int = 1) -> float:
+                     tp: int = 1, sp: int = 1, tiled_mlp: bool = False,
+                     loss_tiles: int = 1) -> float:
     """Activation bytes per GPU for one micro-batch (Note "activation memory");
     ``fused_attention`` drops the ``5as/h`` score term, as FlashAttention-style kernels do.
     With ``tp`` T > 1, what is saved inside the split layers is divided by T (Korthikanti
     et al. 2022, eq. 3: ``s*b*h*(10 + 24/T + 5*a*s/(h*T))`` per layer); the layer's input,
-    the norms and the logits stay whole on every rank."""
+    the norms and the logits stay whole on every rank. ``sp``, ``tiled_mlp`` and
+    ``loss_tiles``: Note "sequence parallelism and tiling"."""
     if not shape.has_transformer_shape:
         raise ValueError("activation estimate needs hidden size, layers, heads and vocab size")
     check_positions(seq_len, shape.max_positions, shape.positions_from)
     s, b, h = seq_len, micro_batch, shape.hidden_size
     a, layers, vocab = shape.num_heads, shape.num_layers, shape.vocab_size
-    full_layer = s * b * h * (10 + 24 / tp + (0 if fused_attention else 5 * a * s / (h * tp)))
-    layers_bytes = (2 * s * b * h * layers + full_layer) if checkpointing else full_layer * layers
+    local = s / sp
+    mlp_saved = 0 if tiled_mlp else 16 / tp
+    full_layer = local * b * h * (10 + 8 / tp + mlp_saved
+                                  + (0 if fused_attention else 5 * a * s / (h * tp)))
+    layers_bytes = (2 * local * b * h * layers + full_layer) if checkpointing else full_layer * layers
+    one_layer = (12 * local * b * h if sp > 1 else 0) + (16 * b * h * h / tp if tiled_mlp else 0)
     scale = 2 if dtype == "fp32" else 1
-    return scale * layers_bytes + 4 * s * b * vocab
+    return scale * (layers_bytes + one_layer) + 4 * local * b * vocab / loss_tiles
+
+
+def check_sequence_parallel(sp: int, world: int, heads: Optional[int],
+                            seq_len: Optional[int]) -> None:
+    """ValueError naming the problem when ``sp`` ranks cannot split this run's sequence: a
+    size that does not divide the world, the attention heads (the all-to-all hands each
+    rank ``heads / sp``) or the sequence (DeepSpeed's data-loader adapter refuses it)."""
+    if sp < 1:
+        raise ValueError(f"{sp} must be at least 1")
+    if world % sp:
+        raise ValueError(f"{sp} does not divide the {world} GPUs (the ranks form groups "
+                         f"of {sp} sequence-parallel ranks)")
+    if heads and heads % sp:
+        raise ValueError(f"{sp} does not divide the model's {heads} attention heads (each "
+                         f"sequence-parallel rank computes heads / {sp} of them)")
+    if seq_len and seq_len % sp:
+        raise ValueError(f"{sp} does not divide --seq-len {seq_len} (each rank takes "
+                         f"seq_len / {sp} tokens; pad the sequence to a multiple)")

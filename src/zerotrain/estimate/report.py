@@ -41,6 +41,15 @@ class EstimateRequest:
     cpu_memory: Optional[int] = None
     tp: int = 1                          # tensor_parallel.autotp_size T
     split_params: Optional[int] = None   # Ψ_s, from the AutoTP rules (None: all of Ψ)
+    sp: int = 1                          # sequence_parallel_size S (Ulysses)
+    tiled_mlp: bool = False              # TiledMLP in every layer
+    loss_tiles: int = 1                  # TiledFusedLogitsLoss tiles (1: untiled)
+
+    @property
+    def activation_options(self) -> dict:
+        """The keyword arguments of ``activation_bytes`` this request sets."""
+        return {"tp": self.tp, "sp": self.sp, "tiled_mlp": self.tiled_mlp,
+                "loss_tiles": self.loss_tiles}
 
     @property
     def world(self) -> int:
@@ -76,7 +85,7 @@ def estimate(request: EstimateRequest) -> EstimateReport:
     if r.shape is not None and r.shape.has_transformer_shape and r.micro_batch and r.seq_len:
         activations = tuple(activation_bytes(r.shape, micro_batch=r.micro_batch,
                                              seq_len=r.seq_len, dtype=r.dtype,
-                                             checkpointing=ckpt, tp=r.tp)
+                                             checkpointing=ckpt, **r.activation_options)
                             for ckpt in (False, True))
     bpp = BytesPerParam.of(r.dtype, r.optimizer)
     live = float((bpp.params + bpp.grads) * r.shape.largest_layer_params) if r.shape else 0.0
@@ -93,6 +102,8 @@ def estimate(request: EstimateRequest) -> EstimateReport:
                                micro_batch=r.micro_batch or 1)
             if r.tp > 1:
                 config["tensor_parallel"] = {"autotp_size": r.tp}
+            if r.sp > 1:
+                config["sequence_parallel_size"] = r.sp
     return EstimateReport(r, rows, activations, live, rec, config)
 
 
@@ -166,7 +177,7 @@ def _notes(rep: EstimateReport) -> list[str]:
         plain, ckpt = rep.activations
         fused = activation_bytes(r.shape, micro_batch=r.micro_batch, seq_len=r.seq_len,
                                  dtype=r.dtype, checkpointing=False, fused_attention=True,
-                                 tp=r.tp)
+                                 **r.activation_options)
         notes.append(f"Activations per GPU (micro-batch {r.micro_batch} x {r.seq_len} tokens, "
                      f"Korthikanti et al. 2022): {format_gb(plain)} GB, or {format_gb(ckpt)} GB "
                      "with full activation checkpointing; need* uses the first. A fused "
@@ -175,6 +186,18 @@ def _notes(rep: EstimateReport) -> list[str]:
     else:
         notes.append("For an activation estimate pass --model with --micro-batch and "
                      "--seq-len.")
+    if r.sp > 1 or r.tiled_mlp or r.loss_tiles > 1:
+        tiled = [name for name, on in (("tiled MLP", r.tiled_mlp),
+                                       (f"tiled loss over {r.loss_tiles} tiles",
+                                        r.loss_tiles > 1)) if on]
+        notes.append(
+            (f"Sequence parallel S = {r.sp} (docs/sequence-parallel.md): each rank holds "
+             f"seq_len / {r.sp} tokens of every activation, plus the all-to-all's send and "
+             "receive copies of q, k and v for one layer; the model states are the same "
+             "(ZeRO shards them over all ranks)." if r.sp > 1 else "")
+            + (" " if r.sp > 1 and tiled else "")
+            + (f"With {' and '.join(tiled)}: the MLP keeps only its input, the loss one "
+               "tile of the logits." if tiled else ""))
     if r.tp > 1:
         notes.append(f"Tensor parallel T = {r.tp} (docs/tensor-parallel.md): each row holds "
                      "with Ψ -> Ψ_T and N -> D; activations inside the split layers are "

@@ -101,8 +101,10 @@ def _hf_config(path: str):
 
 def build_model(spec: StepSpec) -> torch.nn.Module:
     """The model of ``spec.model`` in the training dtype, on the current device context
-    (the planner builds it under ``FakeTensorMode``). A config.json gives the causal-LM
-    head where transformers has one and the masked-LM head otherwise (BERT)."""
+    (the planner builds it under ``FakeTensorMode``). A config.json of an encoder-decoder
+    (T5, BART) gives the sequence-to-sequence head; any other the causal-LM head where
+    transformers has one, else the masked-LM head (BERT). Note "the
+    inputs of a traced step" in ``trace.py`` says what the model is called with."""
     dtype = _DTYPES[spec.dtype]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -113,13 +115,17 @@ def build_model(spec: StepSpec) -> torch.nn.Module:
             import transformers
 
             config = _hf_config(spec.model)
-            for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
+            heads = [transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM]
+            # an encoder-decoder trains both stacks (BART also has a decoder-only causal LM)
+            seq2seq = getattr(config, "is_encoder_decoder", False)
+            heads.insert(0 if seq2seq else 2, transformers.AutoModelForSeq2SeqLM)
+            for auto in heads:
                 try:
                     return auto.from_config(config)
                 except ValueError:
                     continue
-            raise ValueError(f"{spec.model}: no causal-LM or masked-LM head for "
-                             f"{type(config).__name__}")
+            raise ValueError(f"{spec.model}: no causal-LM, masked-LM or sequence-to-sequence "
+                             f"head for {type(config).__name__}")
         if ":" in spec.model:
             from ..estimate.models import _load_callable
 
@@ -127,6 +133,18 @@ def build_model(spec: StepSpec) -> torch.nn.Module:
         raise ValueError(f"{spec.model!r} is neither a config.json file nor module:callable")
     finally:
         torch.set_default_dtype(previous)
+
+
+def shape_of_config(path: str):
+    """The :class:`~zerotrain.estimate.models.ModelShape` of a config.json whose layout the
+    estimate's arithmetic does not count (an encoder-decoder, say): the model transformers
+    builds from it (the head of :func:`build_model`) on the meta device, counted."""
+    from ..estimate.models import shape_from_module
+
+    with torch.device("meta"):
+        model = build_model(StepSpec(path, dtype="fp32"))
+    return shape_from_module(model, f"{type(model).__name__} built from {path} on the meta "
+                                    "device")
 
 
 def _vocab(model: torch.nn.Module) -> int:

@@ -46,16 +46,14 @@ def run_step(spec: StepSpec, model: torch.nn.Module, tracker: PeakTracker,
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    vocab = _vocab(model)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len), generator=gen)
+    inputs = step_inputs(spec, model)
     with tracker:
         tracker.add_existing(list(model.parameters()) + list(model.buffers()))
         tracker.phase = "initialize"
         engine, *_ = initialize(model=model, config=config or ds_config_for(spec))
         for _ in range(STEPS):
             tracker.phase = "forward"
-            out = engine(input_ids=ids, labels=ids)
+            out = engine(**inputs)
             loss = out.loss if hasattr(out, "loss") else out
             del out
             tracker.phase = "forward end"   # what the forward leaves for backward
@@ -67,6 +65,29 @@ def run_step(spec: StepSpec, model: torch.nn.Module, tracker: PeakTracker,
             engine.step()
         tracker.phase = "after"
     return engine, dict(tracker.phase_peaks)
+
+
+def step_inputs(spec: StepSpec, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Note: the inputs of a traced step
+        A model is called as ``model(input_ids=ids, labels=ids)``, ``ids`` a LongTensor
+        ``[micro_batch, seq_len]`` of token ids below ``model.config.vocab_size`` (256 for
+        a model without one), and its output's ``.loss`` (or the output itself) is the
+        loss backward starts from. An encoder-decoder (``config.is_encoder_decoder``: T5,
+        BART) also gets ``decoder_input_ids``, the labels shifted right by one behind
+        ``decoder_start_token_id`` (0 when the config has none), so encoder and decoder
+        both see ``seq_len`` tokens. A ``module:callable`` model gets the same keyword
+        arguments, so its ``forward`` must take ``input_ids`` and ``labels``."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, _vocab(model), (spec.micro_batch, spec.seq_len), generator=gen)
+    inputs = {"input_ids": ids, "labels": ids}
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        start = getattr(config, "decoder_start_token_id", None)
+        start = 0 if start is None else int(start)
+        shifted = torch.full_like(ids, start)
+        shifted[:, 1:] = ids[:, :-1]
+        inputs["decoder_input_ids"] = shifted
+    return inputs
 
 
 def breakdown_at_peak(tracker: PeakTracker, engine: Any) -> dict[str, int]:

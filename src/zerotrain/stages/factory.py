@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -75,7 +75,8 @@ def adopt(stage: int, module: nn.Module, comm: Communicator) -> None:
 def build_stage(stage: int, *, module: nn.Module,
                 groups: Sequence[tuple[list[str], list[nn.Parameter]]],
                 comm: Communicator, policy: PrecisionPolicy, zero_config,
-                make_optimizer: Callable[..., torch.optim.Optimizer]) -> Stage:
+                make_optimizer: Callable[..., torch.optim.Optimizer],
+                average_over: Optional[int] = None) -> Stage:
     """The stage object for ``zero_optimization.stage`` (the only place that branches on it).
 
     Stage 0 keeps a whole optimizer on every rank (shard world 1) and all-reduces
@@ -87,8 +88,21 @@ def build_stage(stage: int, *, module: nn.Module,
 
     ``make_optimizer(shards, host_step=...)`` builds the optimizer over one list of shard
     tensors per group; ``host_step`` comes from the storage, so the offload configuration
-    is read once, here.
+    is read once, here. ``average_over``: the ranks the summed gradient is divided by when
+    not ``comm``'s (sequence parallelism: the N/S data-parallel ranks, Note "the sequence
+    mesh" in ``comm/sequence.py``).
     """
+    stage = _build(stage, module=module, groups=groups, comm=comm, policy=policy,
+                   zero_config=zero_config, make_optimizer=make_optimizer)
+    if average_over is not None:
+        stage.data_parallel_world = average_over
+    return stage
+
+
+def _build(stage: int, *, module: nn.Module,
+           groups: Sequence[tuple[list[str], list[nn.Parameter]]],
+           comm: Communicator, policy: PrecisionPolicy, zero_config,
+           make_optimizer: Callable[..., torch.optim.Optimizer]) -> Stage:
     stage_class(stage)   # ConfigError for a stage that does not exist
     offload = OffloadPlan.from_config(zero_config)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))

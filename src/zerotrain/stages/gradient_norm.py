@@ -83,26 +83,39 @@ def prepare_gradients(records: Sequence[ShardRecord], summed: Sequence[torch.Ten
 
 
 def _reduce_with_fingerprint(sq: torch.Tensor, comm: Communicator,
-                             sharded: bool) -> torch.Tensor:
+                             sharded: bool, *, cycle: bool = True) -> torch.Tensor:
     """All-reduce the squared norm (only its own when not ``sharded``: stage 0 sums full
     gradients already) with the step's collective fingerprint beside it; raise
     RankDivergenceError on every rank when the ranks' fingerprints differ (Note "step
-    fingerprint" in ``comm/trail.py``). Returns the squared norm."""
+    fingerprint" in ``comm/trail.py``). With ``cycle`` (not a rank's stand-in for it) the
+    step ends the cycle of ``comm``'s vote plan, if any (Note "vote plans" in
+    ``engine/vote_plan.py``). Returns the squared norm."""
     trail = comm.ledger.trail
+    plan = comm.vote_plan if cycle else None
+    record = plan.end_cycle() if plan is not None else None
     carried = torch.tensor(trail.carried(), dtype=sq.dtype, device=sq.device)
     wire = torch.cat([sq, carried]) if sharded else carried
     comm.all_reduce(wire, label="gradient norm" if sharded else "step fingerprint",
                     carried=len(carried))
     sums = wire[-len(carried):].tolist()
+    comm.ledger.host_reads["step fingerprint"] += 1
     if comm.carries_data and not trail.agreed(sums, comm.world_size):
+        if plan is not None:
+            plan.forget()
         trails = comm.all_gather_object(list(trail.entries), label="divergence report")
         trail.restart()
+        first = first_difference(trails)   # and where a rank left a plan, if not there
+        left = "".join(f"; rank {r} left the cycle's plan: {label}" for r, t in
+                       enumerate(trails) for op, _, label in t
+                       if op == "left the plan" and label not in first)
         raise RankDivergenceError(
             f"rank {comm.rank}: the ranks made different collectives in this step "
-            f"({first_difference(trails)}). A rank took another path: a forward on some "
+            f"({first}{left}). A rank took another path: a forward on some "
             "ranks only, an exception caught in the middle of backward, a module or "
             "engine call skipped on one rank. Every rank must run the same forwards, "
             "backwards and steps; see docs/divergence.md")
+    if plan is not None:
+        plan.adopt(record)
     trail.restart()
     return wire[:1] if sharded else sq
 

@@ -45,6 +45,7 @@ Note: external parameters at stage 3
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
@@ -61,6 +62,26 @@ __all__ = ["ParameterWatch", "TrackedParameters", "ZeROOrderedDict",
 # ds_status while its unit is released, or gathering ahead of use (prefetch)
 _NOT_GATHERED = (ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT)
 _getitem = OrderedDict.__getitem__
+
+# the watches of open engines, and torch's global registration hooks that mark them stale
+# (Note: parameters the engine does not hold); hooked once per process, on first install
+_WATCHES: "weakref.WeakSet[ParameterWatch]" = weakref.WeakSet()
+_REGISTRATION_HOOKS: list = []
+
+
+def _registered(*_args) -> None:
+    """A module or parameter was registered somewhere: every watch walks its model at its
+    next forward. Returns None: torch keeps what was registered."""
+    for watch in _WATCHES:
+        watch.stale = True
+
+
+def _hook_registrations() -> None:
+    if not _REGISTRATION_HOOKS:
+        from torch.nn.modules import module as torch_module
+        _REGISTRATION_HOOKS.extend([
+            torch_module.register_module_module_registration_hook(_registered),
+            torch_module.register_module_parameter_registration_hook(_registered)])
 
 
 class TrackedParameters(OrderedDict):
@@ -156,11 +177,15 @@ class ParameterWatch:
         self._noted: dict[int, nn.Parameter] = {}
         self._warned: set[int] = set()
         self._handles: list = []
+        self.stale = False   # a module or parameter was registered since the last walk
 
     def install(self) -> None:
         """Bind every module's container and hook the model's forward (once)."""
+        _hook_registrations()
         for module in self.root.modules():
             _convert(module, self._cls, self)
+        self.stale = False
+        _WATCHES.add(self)
         self._handles = [
             self.root.register_forward_pre_hook(lambda m, a: self.begin_forward()),
             self.root.register_forward_hook(lambda m, a, o: self.end_forward(),
@@ -171,6 +196,7 @@ class ParameterWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        _WATCHES.discard(self)
         for module in self.root.modules():
             params = module.__dict__.get("_parameters")
             if isinstance(params, TrackedParameters) and params._watch is self:
@@ -191,13 +217,16 @@ class ParameterWatch:
             self._noted[id(param)] = param
 
     def begin_forward(self) -> None:
-        """The model's forward starts: adopt modules attached since the last one, warn once
-        about parameters the engine does not hold, and let the getters gather."""
-        cls = self._cls
-        for module in self.root.modules():
-            params = module.__dict__.get("_parameters")
-            if type(params) is not cls or params._watch is not self:
-                _convert(module, cls, self)
+        """The model's forward starts: adopt modules attached since the last one (where
+        anything was registered since), warn once about parameters the engine does not
+        hold, and let the getters gather."""
+        if self.stale:
+            self.stale = False
+            cls = self._cls
+            for module in self.root.modules():
+                params = module.__dict__.get("_parameters")
+                if type(params) is not cls or params._watch is not self:
+                    _convert(module, cls, self)
         if self._noted:
             self._warn()
         self.in_forward = True

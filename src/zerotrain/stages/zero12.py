@@ -150,7 +150,9 @@ class ShardedDataParallel(BucketedStage):
         return ShardedGroup(names, list(params), layout, master, aliased, group_index)
 
     def _on_grad(self, g: int, index: int, param: nn.Parameter) -> None:
-        if param.grad is None:
+        # not ready: a tile of a tiled computation (sequence/tiled.py); the tiles sum in
+        # .grad and the last one hands the sum over
+        if param.grad is None or not getattr(param, "ds_grad_is_ready", True):
             return
         self.buckets.begin(self._boundary)
         self.buckets.add(g, index, param.grad)

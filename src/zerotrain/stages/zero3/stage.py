@@ -163,7 +163,9 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
             self.scheduler.pin(index, leaving=-1)
 
     def _on_grad(self, record: int, index: int, unit: Unit, param: nn.Parameter) -> None:
-        if param.grad is None:
+        # not ready: a tile of a tiled computation (sequence/tiled.py); the tiles sum in
+        # .grad and the last one hands the sum over (and counts as the unit's gradient)
+        if param.grad is None or not getattr(param, "ds_grad_is_ready", True):
             return
         self.buckets.begin(self._boundary)
         self.buckets.add(record, index, param.grad)

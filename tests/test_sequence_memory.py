@@ -6,7 +6,9 @@ bench/sequence_memory.py measures it (no timing).
   plain one keeps three ``seq x intermediate`` tensors for backward and makes more in it;
   the tiled one only ``seq / shards`` rows of them at a time);
 * the whole tiny Llama: tiled MLP and tiled loss each lower the step's peak, in the order
-  the bench reports (the logits dominate at this vocabulary).
+  the bench reports (the logits dominate at this vocabulary);
+* Ulysses sequence parallelism: the per-rank peak at SP=2 is half SP=1's (the bench itself,
+  through the switch).
 """
 import pytest
 import torch
@@ -105,3 +107,34 @@ def test_tiled_mlp_and_tiled_loss_lower_a_llama_step_peak():
     assert both < loss < mlp < off, (off, mlp, loss, both)
     assert off - mlp >= 2 * SEQ * 256 * 4, (off, mlp)    # at least two intermediates less
     assert loss * 2 <= off, (off, loss)                  # the logits were most of it
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sequence_parallel_halves_the_per_rank_activation_peak(tmp_path):
+    """bench/sequence_memory.py through the switch at SP 1 and 2 (untiled, 2048 tokens): the
+    per-rank peak at SP=2 is about half SP=1's, and the summed loss is the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src") + os.pathsep
+               + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "sequence_memory.py"), "--backend",
+         "zerotrain", "--seq", "2048", "--sp", "1,2", "--tiled", "off", "--port",
+         str(_free_port()), "--json", str(out)], env=env, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = json.loads(out.read_text())
+    assert (one["sp"], two["sp"]) == (1, 2)
+    assert 0.4 * one["peak_mib"] <= two["peak_mib"] <= 0.6 * one["peak_mib"], (one, two)
+    assert abs(one["loss"] - two["loss"]) <= 1e-4 * abs(one["loss"]), (one, two)

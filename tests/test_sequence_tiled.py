@@ -18,7 +18,8 @@ import tiled_model as T
 from zerotrain.errors import TilingError
 from zerotrain.sequence import tiled
 
-REAL_DEEPSPEED = os.environ.get("ZEROTRAIN_REAL_DEEPSPEED", "/tmp/dsx")
+# a folder holding a DeepSpeed 0.19.8 installation (pip install --target), or unset
+REAL_DEEPSPEED = os.environ.get("ZEROTRAIN_DEEPSPEED_PATH", "")
 DS_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
 
@@ -163,7 +164,8 @@ def test_against_the_real_deepspeed(tmp_path, scale):
     the untiled one (Note "backward recomputes each tile" in sequence/tiled.py); ours is
     the untiled model's."""
     if not _deepspeed_importable():
-        pytest.skip(f"DeepSpeed not importable from {REAL_DEEPSPEED}")
+        pytest.skip(f"DeepSpeed not importable from {REAL_DEEPSPEED or 'this environment'} "
+                    "(ZEROTRAIN_DEEPSPEED_PATH)")
     out = tmp_path / "ds.pt"
     script = Path(T.__file__)
     subprocess.run([sys.executable, str(script), DS_MODULE, str(out), "4", "3", str(scale)],

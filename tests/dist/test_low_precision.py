@@ -14,7 +14,8 @@ import low_precision_cases as C
 import reference as R
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEEPSPEED_PATH = os.environ.get("ZEROTRAIN_DEEPSPEED_PATH", "/tmp/dsx")
+# a folder holding a DeepSpeed 0.19.8 installation (pip install --target), or unset
+DEEPSPEED_PATH = os.environ.get("ZEROTRAIN_DEEPSPEED_PATH", "")
 # (stage, offload_optimizer)
 CASES = [(1, False), (2, False), (3, False), (2, True), (3, True)]
 
@@ -260,7 +261,8 @@ def test_low_precision_matches_deepspeed_at_stages_1_to_3(worlds, tmp_path):
     and under a bf16 autocast, autocast over fp32 parameters with every gradient reduced in
     fp32): the same losses and weights, bit for bit."""
     if not _deepspeed_importable():
-        pytest.skip(f"DeepSpeed is not importable from {DEEPSPEED_PATH}")
+        pytest.skip(f"DeepSpeed is not importable from {DEEPSPEED_PATH or 'this environment'} "
+                    "(ZEROTRAIN_DEEPSPEED_PATH)")
     out = tmp_path / "ds.json"
     tests = os.path.dirname(HERE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([DEEPSPEED_PATH, tests]))

@@ -82,7 +82,7 @@ ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures",),
              ("communicator",),
-             ("deepspeed_api", "hierarchy", "mesh", "agreement", "sequence"),
+             ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("sequence",),
              ("parallel_state_sp", "groups"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),

@@ -65,17 +65,28 @@ class Mesh:
                                 mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
+def grid_groups(world: Communicator, inner: int) -> tuple[Communicator, Communicator]:
+    """The two groups of an (N/inner) x inner grid of ``world``'s ranks: the column of
+    ranks with this rank's place in its row (its data-parallel group) and this rank's row
+    of ``inner`` consecutive ranks, the latter with a ledger of its own (Note: the
+    tensor-parallel wire). Collective over the default group."""
+    n = world.world_size
+    rows = [tuple(range(start, start + inner)) for start in range(0, n, inner)]
+    columns = [tuple(range(i, n, inner)) for i in range(inner)]
+    dp = world.subgroup(columns)
+    row = world.subgroup(rows)
+    row = Communicator(row.group, debug=world.debug, topology=world.topology,
+                       ledger=CommLedger())
+    return dp, row
+
+
 def build_mesh(world: Communicator, tp_size: int) -> Mesh:
     """The mesh of ``world`` (the default group) for ``tp_size`` ranks per tensor-parallel
     group. Collective over the default group: every rank calls it with the same size."""
     n = world.world_size
     if tp_size < 1 or n % tp_size:
         raise ValueError(f"tensor-parallel size {tp_size} does not divide the world size {n}")
-    rows = [tuple(range(start, start + tp_size)) for start in range(0, n, tp_size)]
-    columns = [tuple(range(t, n, tp_size)) for t in range(tp_size)]
-    dp = world.subgroup(columns)
-    tp = world.subgroup(rows)   # Note: the tensor-parallel wire: a ledger of its own
-    tp = Communicator(tp.group, debug=world.debug, topology=world.topology, ledger=CommLedger())
+    dp, tp = grid_groups(world, tp_size)
     return Mesh(world=world, tp=tp, dp=dp)
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import RankMismatchError
 from .communicator import Communicator
-from .ledger import CommLedger
+from .mesh import grid_groups
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,7 @@ def build_sequence_mesh(world: Communicator, sp_size: int) -> SequenceMesh:
         raise ValueError(f"sequence_parallel_size must be greater than 1, got {sp_size}")
     if n % sp_size:
         raise ValueError(f"sequence_parallel_size {sp_size} does not divide the world size {n}")
-    rows = [tuple(range(start, start + sp_size)) for start in range(0, n, sp_size)]
-    columns = [tuple(range(s, n, sp_size)) for s in range(sp_size)]
-    dp = world.subgroup(columns)
-    sp = world.subgroup(rows)   # Note: the sequence mesh: a ledger of its own
-    sp = Communicator(sp.group, debug=world.debug, topology=world.topology, ledger=CommLedger())
+    dp, sp = grid_groups(world, sp_size)   # Note: the sequence mesh: sp has a ledger of its own
     return SequenceMesh(world=world, sp=sp, dp=dp)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ..checkpoint.save import rank_file
 from ..optim import ZeroOptimizer
+from ..stages.factory import partitions_gradients, partitions_parameters, shards_optimizer
 from .optimizer_views import OptimizerViews
 
 # Config optimizer types DeepSpeed names in lower case (its DEEPSPEED_OPTIMIZERS); others,
@@ -96,16 +97,16 @@ class DeepSpeedEngineAPI:
     # ------------------------------------------------------------------ ZeRO
     def zero_optimization(self) -> bool:
         """Whether ZeRO partitions anything (stage above 0), as DeepSpeed's ``zero_enabled``."""
-        return self.config.zero_optimization.stage > 0
+        return shards_optimizer(self.config.zero_optimization.stage)
 
     def zero_optimization_stage(self) -> int:
         return self.config.zero_optimization.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
+        return partitions_gradients(self.zero_optimization_stage())
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.zero_optimization_stage() >= 3
+        return partitions_parameters(self.zero_optimization_stage())
 
     def zero_offload_optimizer(self) -> Any:
         """The ``offload_optimizer`` section (its ``device``, ``pin_memory``...), or None."""

@@ -31,6 +31,7 @@ from transformers.utils import cached_file
 from .. import untrusted
 from ..config import read_config_dict
 from ..errors import ConfigError
+from ..stages.factory import partitions_parameters
 from ..zero import GatheredParameters, Init
 from .hf_config import zero_stage
 
@@ -60,7 +61,7 @@ def zero3_init(args_or_config: Any = None, *, enabled: bool = True) -> Iterator[
     Every rank must build the same models in the same order (the parameters are
     broadcast and partitioned as each module is built). See the module Note.
     """
-    if not enabled or zero_stage(config_dict(args_or_config)) != 3:
+    if not enabled or not partitions_parameters(zero_stage(config_dict(args_or_config))):
         yield
         return
     original = PreTrainedModel.initialize_weights
@@ -109,7 +110,7 @@ def from_pretrained(model_class: Any, pretrained_model_name_or_path: str,
     options such as ``revision``) and the model constructor (``dtype``,
     ``attn_implementation``).
     """
-    if zero_stage(config_dict(args_or_config)) != 3:
+    if not partitions_parameters(zero_stage(config_dict(args_or_config))):
         return model_class.from_pretrained(pretrained_model_name_or_path, **kwargs)
     hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only",
                                       "subfolder") if k in kwargs}

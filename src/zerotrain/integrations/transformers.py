@@ -54,6 +54,7 @@ from ..config import read_config_dict
 from ..errors import ConfigError
 from ..engine.build import initialize, release_model
 from ..schedules import build_scheduler
+from ..stages.factory import partitions_parameters
 from . import hf_config
 from .hf_views import EngineOptimizerView, EngineSchedulerView
 from .hf_weights import (from_pretrained, gathered_state_dict, is_saved_checkpoint,
@@ -264,7 +265,7 @@ class ZeroTrainer(Trainer):
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         config = read_config_dict(self.args.zerotrain)
-        if hf_config.zero_stage(config) != 3:
+        if not partitions_parameters(hf_config.zero_stage(config)):
             super().save_model(output_dir, _internal_call)
             return
         zero = config.get("zero_optimization", {})

@@ -19,8 +19,8 @@ from .zero3.stage import PartitionedDataParallel
 from .base import Stage, StepOutcome
 from .zero12 import ShardedDataParallel, ShardPlan
 
-__all__ = ["Stage", "StepOutcome", "adopt", "build_stage", "deepspeed_kinds", "shards_optimizer",
-           "stage_class"]
+__all__ = ["Stage", "StepOutcome", "adopt", "build_stage", "deepspeed_kinds",
+           "partitions_gradients", "partitions_parameters", "shards_optimizer", "stage_class"]
 
 _GRAD_REDUCTION = {0: AllReduceGrads, 1: ReduceScatterAtBoundary,
                    2: ReduceScatterEveryMicroStep}
@@ -41,6 +41,20 @@ def shards_optimizer(stage: int) -> bool:
     ranks (stages 1-3); stage 0 steps it whole on every rank, as DDP does."""
     stage_class(stage)   # refuses a stage that does not exist
     return stage != 0
+
+
+def partitions_gradients(stage: int) -> bool:
+    """Whether ``zero_optimization.stage`` keeps only a shard of the gradients on each rank
+    (stages 2-3, reduce-scattered in every backward), DeepSpeed's
+    ``zero_optimization_partition_gradients()``."""
+    return (stage_class(stage).partitions_parameters
+            or _GRAD_REDUCTION[stage] is ReduceScatterEveryMicroStep)
+
+
+def partitions_parameters(stage: int) -> bool:
+    """Whether ``zero_optimization.stage`` keeps only a shard of the parameters between
+    uses (stage 3), DeepSpeed's ``zero_optimization_partition_weights()``."""
+    return stage_class(stage).partitions_parameters
 
 
 def deepspeed_kinds(config: ZeroTrainConfig) -> frozenset[str]:

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import sys
+import types
 import warnings
 from typing import Any, Optional
 
@@ -229,10 +230,11 @@ def _split_tensor_parallel(model: nn.Module, cfg: ZeroTrainConfig, comm: Communi
 def _user_stacklevel() -> int:
     """``stacklevel`` for a warning issued here that names the first caller frame outside
     zerotrain and the Hugging Face Trainer (which calls initialize() for the user)."""
-    packages = [sys.modules[n] for n in ("zerotrain", "transformers", "accelerate")
-                if getattr(sys.modules.get(n), "__file__", None)]
-    dirs = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in packages)
-    frame, level = sys._getframe(1), 1
+    files = [getattr(sys.modules.get(n), "__file__", None)
+             for n in ("zerotrain", "transformers", "accelerate")]
+    dirs = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in files if f)
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
         frame, level = frame.f_back, level + 1
     return level

@@ -8,6 +8,8 @@ order ``initialize`` writes down.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 from torch import nn
 
@@ -86,17 +88,24 @@ def refuse_fp32_cpu_adam_states(cfg: ZeroTrainConfig, client) -> None:
         "are stored in bf16", value=True)
 
 
-def optimizer_factory(cfg: ZeroTrainConfig, client, groups: list[dict], device):
+def optimizer_factory(cfg: ZeroTrainConfig, client: Optional[torch.optim.Optimizer],
+                      groups: list[dict], device: torch.device
+                      ) -> Callable[..., torch.optim.Optimizer]:
+    """How the stage builds its optimizer over its shards: the client's, retargeted, or the
+    config's ``optimizer`` section's (checked present when there is no client)."""
+    optimizer = cfg.optimizer
+
     def make(shards: list[list[torch.Tensor]], *, host_step: bool) -> torch.optim.Optimizer:
         """One list of flat shard tensors per parameter group; ``host_step``: the stage's
         storage steps them on the host (the factory asks it, ``Storage.steps_on_host``)."""
-        if client is not None and isinstance(client, MATRIX_OPTIMIZERS):
-            return ShardedMuon.around(retarget_optimizer(client, shards))
         if client is not None:
-            return retarget_optimizer(client, shards)
+            retargeted = retarget_optimizer(client, shards)
+            return (ShardedMuon.around(retargeted) if isinstance(client, MATRIX_OPTIMIZERS)
+                    else retargeted)
+        assert optimizer is not None, "built only with a client or an optimizer section"
         shard_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": s}
                         for g, s in zip(groups, shards)]
-        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, shard_groups,
+        return build_optimizer(optimizer.type, optimizer.params, shard_groups,
                                device=torch.device("cpu") if host_step else device,
                                host_step=host_step)
     return make

@@ -19,9 +19,12 @@ Note: what the rate measures
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+
+
+_Mark = Union[float, torch.cuda.Event]   # a perf_counter time, or a recorded CUDA event
 
 
 class ThroughputTimer:
@@ -41,8 +44,8 @@ class ThroughputTimer:
         self.end_time = 0.0
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
-        self._first: Optional[object] = None   # step ``start_step``'s end: a time or event
-        self._last: Optional[object] = None
+        self._first: Optional[_Mark] = None   # step ``start_step``'s end: a time or event
+        self._last: Optional[_Mark] = None
 
     def update_epoch_count(self) -> None:
         """A new epoch begins (scripts call this at the end of each epoch)."""
@@ -86,7 +89,7 @@ class ThroughputTimer:
             return float("-inf")
         return steps * self.batch_size / max(self._seconds(), 1e-9)
 
-    def _mark(self) -> object:
+    def _mark(self) -> _Mark:
         if not self.on_cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -94,7 +97,9 @@ class ThroughputTimer:
         return event
 
     def _seconds(self) -> float:
-        if not self.on_cuda:
-            return self._last - self._first
-        self._last.synchronize()
-        return self._first.elapsed_time(self._last) / 1e3   # milliseconds
+        first, last = self._first, self._last
+        if isinstance(first, float) and isinstance(last, float):   # perf_counter marks
+            return last - first
+        assert isinstance(first, torch.cuda.Event) and isinstance(last, torch.cuda.Event)
+        last.synchronize()
+        return first.elapsed_time(last) / 1e3   # milliseconds

@@ -39,6 +39,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from distributed import run_world  # noqa: E402
 
 
+
+def _timed_step(engine, x, ga: int) -> tuple[float, float]:
+    """Wall and thread CPU seconds of one step: ``ga`` micro-steps."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(ga):
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+    return time.perf_counter() - start, time.thread_time() - cpu
+
 def _patches():
     """(module, name, checked, unchecked) for every check, so a mode is a set of assignments;
     the votes' patch comes last (mode "unvoted" applies only that one)."""
@@ -157,12 +167,7 @@ def _bench(rank, world, blocks, widths, steps, warmup, stage, ga=1):
                 host.plan = None if mode == "headers" else plan
             ledger.reset()
             stopwatch.seconds, stopwatch.calls = 0.0, 0
-            start, cpu = time.perf_counter(), time.thread_time()
-            for _ in range(ga):   # a step: ga micro-steps
-                loss = engine(x).square().mean()
-                engine.backward(loss)
-                engine.step()
-            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            elapsed, cpu = _timed_step(engine, x, ga)
             if step >= len(MODES) * warmup:
                 times[mode].append(elapsed)
                 cpus[mode].append(cpu)
@@ -227,12 +232,7 @@ def _bench_votes(rank, world, blocks, widths, steps, warmup, stage, ga=1):
             trail_mod.CollectiveTrail.note = (lambda *a: None) if mode == "unchecked" else note
             ledger = engine.comm.ledger
             ledger.reset()
-            start, cpu = time.perf_counter(), time.thread_time()
-            for _ in range(ga):   # a step: ga micro-steps
-                loss = engine(x).square().mean()
-                engine.backward(loss)
-                engine.step()
-            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            elapsed, cpu = _timed_step(engine, x, ga)
             if step >= len(VOTE_MODES) * warmup:
                 times[mode].append(elapsed)
                 cpus[mode].append(cpu)

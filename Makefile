@@ -32,8 +32,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# tests/dist is named on its own: ruff's default excludes skip every folder called "dist".
 lint: install
-	$(PY) -m ruff check src tests bench examples
+	$(PY) -m ruff check src tests tests/dist bench examples
 
 # torch's own annotations are read; packages without them (safetensors...) count as Any.
 # stages/ and engine/ are checked module by module as each comes clean (the list below);

@@ -7,7 +7,6 @@ thread would): gradients then arrive in a different order on each rank. The sequ
 collectives must still be identical, and training must give the same weights as when both
 ranks build the graph the same way.
 """
-import pytest
 import torch
 from torch import nn
 
@@ -98,3 +97,4 @@ def test_hooks_in_rank_dependent_order_launch_collectives_in_one_order(worlds):
         for name, value in flip0["weights"].items():
             assert torch.equal(value, same0["weights"][name]), (case, name)
             assert torch.equal(value, flip1["weights"][name]), (case, name)
+            assert torch.equal(value, same1["weights"][name]), (case, name)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import low_precision_cases as C
-import reference as R
+from memory_probe import held_tensors, measure_two_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # a folder holding a DeepSpeed 0.19.8 installation (pip install --target), or unset
@@ -124,13 +124,11 @@ def _plain_autocast(rank, world):
 
 # ------------------------------------------------------------------ memory
 def _measure(rank, world, bf16_states):
-    import gc
     import zerotrain
     from zerotrain.core.memory import live_tensor_bytes
     out = {}
     for stage in (1, 2, 3):
-        gc.collect()
-        held = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+        held = held_tensors()
         baseline = live_tensor_bytes()
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
@@ -146,16 +144,7 @@ def _measure(rank, world, bf16_states):
                                         "stage3_param_persistence_threshold": 0,
                                         "stage3_max_reuse_distance": 0}}
         engine, *_ = zerotrain.initialize(model=model, config=config)
-        x = torch.randn(2, 128)
-        for step in range(2):
-            loss = engine(x).float().pow(2).mean()
-            engine.backward(loss)
-            if step == 1:
-                del loss
-                gc.collect()
-                measured = live_tensor_bytes() - baseline - x.untyped_storage().nbytes()
-                breakdown = engine.memory_breakdown()
-            engine.step()
+        measured, breakdown = measure_two_steps(engine, torch.randn(2, 128), baseline)
         out[stage] = {"per_param": measured / psi, "breakdown": breakdown, "psi": psi}
         engine.destroy()
         del engine, model, held

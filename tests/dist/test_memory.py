@@ -4,10 +4,10 @@ bf16 parameters with bf16 gradient accumulation, after backward (optimizer state
 from the first step): stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N
 bytes (persistence threshold 0: every parameter partitioned).
 """
-import gc
-
 import pytest
 import torch
+
+from memory_probe import held_tensors, measure_two_steps
 
 
 WIDTH, DEPTH = 192, 4
@@ -27,10 +27,7 @@ def _measure(rank, world, stages, optimizer="AdamW"):
     from zerotrain.core.memory import live_tensor_bytes
     out = {}
     for stage in stages:
-        gc.collect()
-        # hold every tensor alive now, so nothing older is freed during the measurement
-        # (the pool process ran other tests) and the difference is the engine's alone
-        held = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+        held = held_tensors()
         baseline = live_tensor_bytes()
         model = _model()
         psi = sum(p.numel() for p in model.parameters())
@@ -42,18 +39,7 @@ def _measure(rank, world, stages, optimizer="AdamW"):
                                         "stage3_param_persistence_threshold": 0,
                                         "stage3_max_reuse_distance": 0}}
         engine, *_ = zerotrain.initialize(model=model, config=config)
-        x = torch.randn(2, WIDTH)
-        for step in range(2):
-            loss = engine(x).float().pow(2).mean()
-            engine.backward(loss)
-            if step == 1:
-                del loss
-                gc.collect()
-                measured = live_tensor_bytes() - baseline - x.untyped_storage().nbytes()
-                breakdown = engine.memory_breakdown()
-                engine.step()
-            else:
-                engine.step()
+        measured, breakdown = measure_two_steps(engine, torch.randn(2, WIDTH), baseline)
         out[stage] = {"psi": psi, "measured": measured, "breakdown": breakdown}
         del engine, model, held
     return out

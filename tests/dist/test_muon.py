@@ -3,7 +3,6 @@ client ``torch.optim.Muon`` at stages 0-3 on 2 and 3 gloo ranks against one proc
 optimizer offload, a checkpoint saved at 2 ranks and resumed at 3, and, when DeepSpeed is
 importable, against DeepSpeed 0.19.8's own Muon at stage 1."""
 import importlib.util
-import os
 
 import pytest
 import torch

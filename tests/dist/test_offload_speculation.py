@@ -3,7 +3,6 @@ gives, bit for bit, the weights and optimizer state of the step without speculat
 clipping active or not, an fp16 overflow and its skipped step, a changed loss scale,
 gradient accumulation, a learning rate changed between backward and step, something that
 settles between backward and step, at stages 1-3, with the state in RAM or on NVMe."""
-import pytest
 import torch
 
 import reference as R

@@ -8,6 +8,8 @@ on a plain copy of the model, parameters left out) plus the prefetch window: a u
 gathered parameters must not live on through the views autograd saved of them. The model
 uses an embedding, a convolution, layer norms, linears and ``scaled_dot_product_attention``.
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,7 +106,7 @@ def _peak(rank, world, cases):
         model_bytes = sum(u.numel for u in units) * torch.finfo(dtype).bits // 8
         kept = []
         for _ in range(2):   # the first pass records the order; the second prefetches
-            saved, loss, storages = _saved_after(lambda: engine(idx))
+            saved, loss, storages = _saved_after(functools.partial(engine, idx))
             gathered = [u for u in units if u.full.untyped_storage().nbytes()
                         and StorageWeakRef(u.full.untyped_storage()).cdata not in storages]
             kept.append(saved + sum(u.full.untyped_storage().nbytes() for u in gathered))

@@ -56,7 +56,6 @@ def _switch(on):
     """The switch on (as ``zerotrain launch --as-deepspeed`` sets it up) or off, with what
     transformers and Accelerate decided at import brought in line (module docstring), and
     their process-wide DeepSpeed state cleared either way."""
-    import importlib
     import os
 
     import accelerate.utils

@@ -29,8 +29,23 @@ from .communicator import Communicator
 from .ledger import CommLedger
 
 
+class DataParallelAxis:
+    """The data-parallel column of a two-dimensional mesh (tensor or sequence parallel
+    innermost), with the sizes its users ask for by DeepSpeed's names."""
+
+    dp: Communicator
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+
 @dataclass(frozen=True)
-class Mesh:
+class Mesh(DataParallelAxis):
     """This rank's place in the (data parallel) x (tensor parallel) grid (Note: the mesh).
 
     ``world``: every rank (the engine's communicator); ``tp``: the T ranks sharing a batch;
@@ -48,14 +63,6 @@ class Mesh:
     @property
     def tp_rank(self) -> int:
         return self.tp.rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp.world_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dp.rank
 
     def device_mesh(self):
         """The same grid as a ``torch.distributed.device_mesh.DeviceMesh`` with dimensions

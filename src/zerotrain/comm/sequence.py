@@ -28,11 +28,11 @@ import torch
 
 from ..errors import RankMismatchError
 from .communicator import Communicator
-from .mesh import grid_groups
+from .mesh import DataParallelAxis, grid_groups
 
 
 @dataclass(frozen=True)
-class SequenceMesh:
+class SequenceMesh(DataParallelAxis):
     """This rank's place in the (data parallel) x (sequence parallel) grid (Note: the
     sequence mesh). ``world``: every rank, the sequence-data-parallel group;
     ``sp``: the S ranks sharing sequences; ``dp``: the N/S ranks with this sequence rank."""
@@ -48,14 +48,6 @@ class SequenceMesh:
     @property
     def sp_rank(self) -> int:
         return self.sp.rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp.world_size
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dp.rank
 
 
 def build_sequence_mesh(world: Communicator, sp_size: int) -> SequenceMesh:

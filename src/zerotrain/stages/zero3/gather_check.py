@@ -15,7 +15,7 @@ Note: gather check
     On a device (NCCL) a unit is one flat all-gather, ``[header | shard]`` per rank, whose
     result is copied out into the parameters' segments (FSDP2's copy-out): the header costs
     16 bytes per rank and no launch. On the host (gloo) the payload gathers go out one by
-    one, in place (Note "coalesced gathers" in ``comm/communicator.py``), and the header
+    one, in place (Note "coalesced gathers" in ``comm/coalesced.py``), and the header
     goes first, alone, and is checked before they launch: gloo aborts the process (SIGABRT,
     no exception) when two ranks' gathers differ in size, which is what two different
     units usually are, so nothing of a unit may launch before the ranks agree on it. That

@@ -20,7 +20,7 @@ from . import partition as P
 def global_rank(comm: Communicator, group_rank: int) -> int:
     if comm.group is None:
         return group_rank
-    return torch.distributed.getglobal_rank(comm.group, group_rank)
+    return torch.distributed.get_global_rank(comm.group, group_rank)
 
 
 class GatheredParameters:

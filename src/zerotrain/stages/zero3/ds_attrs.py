@@ -1,0 +1,79 @@
+"""The attributes stage 3 sets on torch's parameters and modules, in DeepSpeed's names
+(``param.ds_tensor``, ``module.ds_id``...), declared with their types in one place.
+
+Why a module of its own: code written for DeepSpeed reads these attributes, so they live on
+``nn.Parameter`` and ``nn.Module`` objects whose classes do not declare them, and a type
+checker cannot see what they hold. :func:`ds_param` and :func:`ds_module` return the object
+they are given, unchanged (``typing.cast``: no copy, no check, no wrapper), typed as
+:class:`DsParameter` / :class:`DsModule`, which declare every attribute, so a misspelled name
+or a value of the wrong type is a type error rather than a ``# type: ignore``. Neither class
+is ever instantiated; an attribute exists only once the code that owns it has set it
+(``getattr(p, "ds_unit", None)`` stays the way to ask whether it has).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:   # the owners of the attributes' types import this module
+    from .partition import ZeroParamStatus
+    from .unit import Unit
+    from .usage import ExternalParameters
+
+
+class DsParameter(nn.Parameter):
+    """A parameter as stage 3 and ``zero.Init`` leave it (types only; see the module)."""
+
+    # partition.py (Note "parameter chunks"): the full parameter while ``.data`` is empty
+    ds_shape: torch.Size
+    ds_numel: int
+    ds_tensor: torch.Tensor   # this rank's chunk; None again once made whole (unpartition)
+    ds_id: int
+    ds_status: ZeroParamStatus
+    # unit.py: the unit that owns the parameter, its fp32 master chunk (None for an int8
+    # frozen one) and whether the unit stays gathered between uses
+    ds_unit: Unit
+    ds_master: Optional[torch.Tensor]
+    ds_persist: bool
+    # usage.py (Note "usage records"): the ds_id of every module using the unit now
+    ds_active_sub_modules: set[int]
+    is_external_param: bool
+    # unit_specs.py: the leaf module the parameter belongs to (leaf.py)
+    ds_z3_leaf_module: nn.Module
+    # gathered.py: DeepSpeed's per-parameter methods
+    all_gather: Callable[..., Any]
+    all_gather_coalesced: Callable[..., Any]
+    partition: Callable[..., None]
+    ds_summary: Callable[..., dict]
+
+
+class DsModule(nn.Module):
+    """A module as stage 3 leaves it (types only; see the module)."""
+
+    # usage.py (Note "usage records")
+    ds_id: int
+    ds_recompute_parameters: set[nn.Parameter]
+    ds_external_parameters: ExternalParameters
+    _external_params: dict[int, nn.Parameter]
+    # gathered.py: parameters declared with zero.register_external_parameter
+    _zerotrain_external_params: list[nn.Parameter]
+    # leaf.py (Note "leaf modules"): gathered and released as one unit
+    _z3_leaf: bool
+
+
+def ds_param(param: torch.Tensor) -> DsParameter:
+    """``param`` itself, typed with the attributes stage 3 gives it."""
+    return cast(DsParameter, param)
+
+
+def ds_module(module: nn.Module) -> DsModule:
+    """``module`` itself, typed with the attributes stage 3 gives it."""
+    return cast(DsModule, module)
+
+
+def drop_chunk(param: torch.Tensor) -> None:
+    """``param.ds_tensor`` becomes None: the parameter holds its full value for good and
+    ``partition.is_partitioned`` is False from now on (``gathered.unpartition``)."""
+    setattr(param, "ds_tensor", None)   # the one None ds_tensor: declared as a tensor above

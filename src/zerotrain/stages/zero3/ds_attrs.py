@@ -61,6 +61,8 @@ class DsModule(nn.Module):
     _zerotrain_external_params: list[nn.Parameter]
     # leaf.py (Note "leaf modules"): gathered and released as one unit
     _z3_leaf: bool
+    # stage_hooks.py: its state_dict() of partitioned parameters was warned about once
+    _zerotrain_warned_state_dict: bool
 
 
 def ds_param(param: torch.Tensor) -> DsParameter:

@@ -52,7 +52,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .zero3.partition import ZeroParamStatus
+from .zero3.ds_attrs import ZeroParamStatus
 
 logger = logging.getLogger(__name__)
 

@@ -9,18 +9,59 @@ they are given, unchanged (``typing.cast``: no copy, no check, no wrapper), type
 or a value of the wrong type is a type error rather than a ``# type: ignore``. Neither class
 is ever instantiated; an attribute exists only once the code that owns it has set it
 (``getattr(p, "ds_unit", None)`` stays the way to ask whether it has).
+
+The modules that set the attributes import this one, so it imports none of them: what code
+reaches through ``param.ds_unit`` is declared here as protocols (:class:`UnitView`), which
+mypy checks ``Unit`` against where ``unit.py`` sets it, and ``ds_status``'s values live here.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+import enum
+from typing import Any, Callable, Iterable, Optional, Protocol, cast
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:   # the owners of the attributes' types import this module
-    from .partition import ZeroParamStatus
-    from .unit import Unit
-    from .usage import ExternalParameters
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``ds_status`` values: whether ``param.data`` holds the full value."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class FrozenView(Protocol):
+    """What ``param.ds_unit.frozen`` offers (``frozen.QuantizedSlice``: int8 chunks)."""
+
+    def store(self, k: int, chunk: torch.Tensor) -> None: ...
+
+    def values(self, k: int, dtype: torch.dtype = ...) -> torch.Tensor: ...
+
+    def round_trip(self, k: int, full: torch.Tensor, world: int) -> torch.Tensor: ...
+
+
+class SpecView(Protocol):
+    """What ``param.ds_unit.spec`` offers (``unit_specs.UnitSpec``)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def persistent(self) -> bool: ...
+
+
+class UnitView(Protocol):
+    """What code that finds a parameter's unit through ``param.ds_unit`` uses of it
+    (``unit.Unit``, which owns the parameter once a stage does)."""
+
+    @property
+    def spec(self) -> SpecView: ...
+
+    @property
+    def frozen(self) -> Optional[FrozenView]: ...
+
+    def shards_changed(self) -> None: ...
 
 
 class DsParameter(nn.Parameter):
@@ -34,7 +75,7 @@ class DsParameter(nn.Parameter):
     ds_status: ZeroParamStatus
     # unit.py: the unit that owns the parameter, its fp32 master chunk (None for an int8
     # frozen one) and whether the unit stays gathered between uses
-    ds_unit: Unit
+    ds_unit: UnitView
     ds_master: Optional[torch.Tensor]
     ds_persist: bool
     # usage.py (Note "usage records"): the ds_id of every module using the unit now
@@ -55,7 +96,7 @@ class DsModule(nn.Module):
     # usage.py (Note "usage records")
     ds_id: int
     ds_recompute_parameters: set[nn.Parameter]
-    ds_external_parameters: ExternalParameters
+    ds_external_parameters: Callable[[], Iterable[tuple[int, nn.Parameter]]]   # usage.py's
     _external_params: dict[int, nn.Parameter]
     # gathered.py: parameters declared with zero.register_external_parameter
     _zerotrain_external_params: list[nn.Parameter]

@@ -15,7 +15,7 @@ from torch import nn
 from ...comm import Communicator
 from ...errors import StateError
 from . import partition as P
-from .ds_attrs import drop_chunk, ds_module, ds_param
+from .ds_attrs import ZeroParamStatus, drop_chunk, ds_module, ds_param
 
 
 def global_rank(comm: Communicator, group_rank: int) -> int:
@@ -52,7 +52,7 @@ class GatheredParameters:
                 continue
             p.data = _gather_full(p, _shard_comm(p, self.comm), _compute_device(p))
             self._gathered.append(p)
-        P.mark(self._gathered, P.ZeroParamStatus.AVAILABLE)
+        P.mark(self._gathered, ZeroParamStatus.AVAILABLE)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -81,7 +81,7 @@ class GatheredParameters:
                     ds.ds_unit.shards_changed()
         for p in self._gathered:
             p.data = P.empty_placeholder(p)
-        P.mark(self._gathered, P.ZeroParamStatus.NOT_AVAILABLE)
+        P.mark(self._gathered, ZeroParamStatus.NOT_AVAILABLE)
         self._gathered.clear()
 
 
@@ -107,7 +107,7 @@ def all_gather_coalesced(params: Iterable[nn.Parameter], safe_mode: bool = False
             continue
         p.data = _gather_full(p, _shard_comm(p, comm), _compute_device(p))
         gathered.append(p)
-    P.mark(gathered, P.ZeroParamStatus.AVAILABLE)
+    P.mark(gathered, ZeroParamStatus.AVAILABLE)
     return _Gathered()
 
 
@@ -119,7 +119,7 @@ def release(params: Iterable[nn.Parameter]) -> None:
                 and p.numel() == ds_param(p).ds_numel and ds_param(p).ds_numel > 0]
     for p in released:
         p.data = P.empty_placeholder(p)
-    P.mark(released, P.ZeroParamStatus.NOT_AVAILABLE)
+    P.mark(released, ZeroParamStatus.NOT_AVAILABLE)
 
 
 def attach_param_methods(p: nn.Parameter) -> None:
@@ -192,7 +192,7 @@ def unpartition(params: Iterable[nn.Parameter], comm: Communicator) -> int:
                 "model outside zero.Init to train it at stages 0-2")
         p.data = _gather_full(p, comm, ds.ds_tensor.device)
         drop_chunk(p)
-        ds.ds_status = P.ZeroParamStatus.AVAILABLE
+        ds.ds_status = ZeroParamStatus.AVAILABLE
         whole += 1
     return whole
 

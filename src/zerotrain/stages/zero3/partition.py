@@ -13,7 +13,7 @@ Note: parameter chunks
     frozen parameter kept as int8, ``zero3/frozen.py``, its packed bytes, as in DeepSpeed).
     ``param.shape`` is therefore ``(0,)``: read full values inside
     ``zero.GatheredParameters``. Code written for DeepSpeed also finds ``ds_id`` (a number
-    unique in the process) and ``ds_status`` (a :class:`ZeroParamStatus`, kept current by
+    unique in the process) and ``ds_status`` (a ``ds_attrs.ZeroParamStatus``, kept current by
     :func:`mark` at every gather and release).
 
 Note: writes through ds_tensor
@@ -50,7 +50,6 @@ Note: writes through ds_tensor
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from typing import Any, Callable, Optional
@@ -58,15 +57,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .ds_attrs import ds_param
-
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's ``ds_status`` values: whether ``param.data`` holds the full value."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
+from .ds_attrs import ZeroParamStatus, ds_param
 
 
 _ds_ids = itertools.count()   # DeepSpeed numbers partitioned parameters per process too

@@ -50,7 +50,7 @@ from ...core.flat import FlatLayout
 from ...offload import Storage
 from ...core.precision import PrecisionPolicy
 from . import partition as P
-from .ds_attrs import ds_param
+from .ds_attrs import ZeroParamStatus, ds_param
 from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec
 from .wire import NO_BUCKET_LIMIT, Gatherings, UnitWire
@@ -114,7 +114,7 @@ class Unit:
             ds.ds_shape, ds.ds_numel = P.full_shape(p), P.full_numel(p)
             ds.ds_persist = spec.persistent   # DeepSpeed's name: stays gathered between uses
             p.data = P.empty_placeholder(p)
-        P.mark(spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
+        P.mark(spec.params, ZeroParamStatus.NOT_AVAILABLE)
         self.full = torch.empty(sum(self._segment_numels()), dtype=self.shard.dtype,
                                 device=device)
         self.segments, self.views = self._param_views()   # made while the storage has bytes
@@ -253,7 +253,7 @@ class Unit:
         except BaseException:
             self._free_full()
             raise
-        P.mark(self.spec.params, P.ZeroParamStatus.INFLIGHT)
+        P.mark(self.spec.params, ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING
 
     def shard_on_device(self):
@@ -274,7 +274,7 @@ class Unit:
         self.wire.gathered(self, self.views)
         for p, view in zip(self.spec.params, self.views):
             p.data = view
-        P.mark(self.spec.params, P.ZeroParamStatus.AVAILABLE)
+        P.mark(self.spec.params, ZeroParamStatus.AVAILABLE)
         self.state = UnitState.GATHERED
 
     def release(self, *, persistent_too: bool = False) -> None:
@@ -289,7 +289,7 @@ class Unit:
             return
         for p in self.spec.params:
             p.data = P.empty_placeholder(p)
-        P.mark(self.spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
+        P.mark(self.spec.params, ZeroParamStatus.NOT_AVAILABLE)
         self._free_full()
         self.state = UnitState.RELEASED
 

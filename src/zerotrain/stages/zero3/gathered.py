@@ -143,7 +143,9 @@ def attach_param_methods(p: nn.Parameter) -> None:
 
 def _summary(ref: "weakref.ref[nn.Parameter]", use_debug_name: bool = False) -> dict:
     """DeepSpeed's ``param.ds_summary()``: what error messages print about a parameter."""
-    p = _alive(ref)
+    p = ref()
+    # reached through the parameter; a method kept past it fails here (before: on None.ds_id)
+    assert p is not None
     ds = ds_param(p)
     ds_tensor = getattr(p, "ds_tensor", None)
     return {"id": ds.ds_id, "status": ds.ds_status.name, "numel": p.numel(),
@@ -158,19 +160,19 @@ def _summary(ref: "weakref.ref[nn.Parameter]", use_debug_name: bool = False) -> 
 def _gather_one(ref: "weakref.ref[nn.Parameter]",
                 param_list: Optional[Iterable[nn.Parameter]] = None,
                 **_options: Any) -> _Gathered:
-    return all_gather_coalesced([_alive(ref)] if param_list is None else param_list)
+    return all_gather_coalesced(_held(ref) if param_list is None else param_list)
 
 
 def _release_one(ref: "weakref.ref[nn.Parameter]",
                  param_list: Optional[Iterable[nn.Parameter]] = None, **_options: Any) -> None:
-    release([_alive(ref)] if param_list is None else param_list)
+    release(_held(ref) if param_list is None else param_list)
 
 
-def _alive(ref: "weakref.ref[nn.Parameter]") -> nn.Parameter:
-    """The parameter whose method runs: alive, as its method was reached through it."""
+def _held(ref: "weakref.ref[nn.Parameter]") -> list[nn.Parameter]:
+    """The parameter whose method runs, or nothing once it is gone (a method kept past
+    its parameter gathers and releases nothing)."""
     p = ref()
-    assert p is not None
-    return p
+    return [] if p is None else [p]
 
 
 def unpartition(params: Iterable[nn.Parameter], comm: Communicator) -> int:

@@ -1,7 +1,7 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
 # `make test-fast` skips the tests marked slow (the inner loop); `make lint` runs ruff with
 # the short rule set in pyproject.toml ([tool.ruff.lint]); `make typecheck` runs mypy on
-# core/, comm/ and the clean modules of stages/ and engine/, installing the pinned mypy when
+# core/, comm/, stages/ and the clean modules of engine/, installing the pinned mypy when
 # missing.
 # `make gpu-check` is the first command on a GPU machine (bench/README.md); `make gpu-wheels`
 # fetches, here, the wheels it installs there (needs PyPI; not part of `make test`).
@@ -37,16 +37,14 @@ lint: install
 	$(PY) -m ruff check src tests tests/dist bench examples
 
 # torch's own annotations are read; packages without them (safetensors...) count as Any.
-# stages/ and engine/ are checked module by module as each comes clean (the list below);
-# the rest of both folders is not yet (docs/architecture.md, "Type checking").
-TYPED_STAGES := __init__ protocol base buckets gradient_norm factory
+# engine/ is checked module by module as each comes clean (the list below); the rest of it
+# is not yet (docs/architecture.md, "Type checking").
 TYPED_ENGINE := __init__ direct_backward fingerprint full_params lr_watch optimizer_views \
 	parameter_offload reports resume timers unused
 typecheck: install
 	$(PY) -m mypy --version >/dev/null 2>&1 || $(PY) -m pip install -q "$(MYPY_PIN)"
 	$(PY) -m mypy --ignore-missing-imports --follow-imports=silent src/zerotrain/core \
-		src/zerotrain/comm $(TYPED_STAGES:%=src/zerotrain/stages/%.py) \
-		$(TYPED_ENGINE:%=src/zerotrain/engine/%.py)
+		src/zerotrain/comm src/zerotrain/stages $(TYPED_ENGINE:%=src/zerotrain/engine/%.py)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .mypy_cache

@@ -77,10 +77,10 @@ NEVER_IMPORTS: dict[str, frozenset[str]] = {
 ISOLATED_PACKAGES: dict[str, str] = {}  # package -> its shared module
 # Packages whose submodules have rows of their own, lowest first (as in ROWS): a submodule
 # imports only from rows above its own. comm: set-up and the ledger, then the named
-# failures, then the Communicator over them, then DeepSpeed's function API and the
-# two-group collectives, then the package's re-exports.
+# failures and the coalesced gathers, then the Communicator over them, then DeepSpeed's
+# function API and the two-group collectives, then the package's re-exports.
 PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures",),
+    "comm": (("trail", "teardown", "topology"), ("setup", "ledger"), ("failures", "coalesced"),
              ("communicator",),
              ("deepspeed_api", "hierarchy", "mesh", "agreement"), ("sequence",),
              ("parallel_state_sp", "groups"), ("__init__",)),

@@ -101,7 +101,8 @@ def _many(rank, world):
     """Three gathers into views of one buffer: coalesced (forced: host tensors are gathered
     one by one), one by one, and with the coalescing manager refusing; the buffers and the
     ledger's launches."""
-    import zerotrain.comm.communicator as C   # where Communicator looks up _coalescing_manager
+    import zerotrain.comm.coalesced as G   # where the gathers look up _coalescing_manager
+    import zerotrain.comm.communicator as C
     out = {}
     for how in ("coalesced", "host", "refused"):
         comm = C.Communicator()
@@ -112,7 +113,7 @@ def _many(rank, world):
 
             def refusing(*args, **kwargs):
                 raise RuntimeError("backend does not implement coalescing")
-            C._coalescing_manager, saved = refusing, C._coalescing_manager
+            G._coalescing_manager, saved = refusing, G._coalescing_manager
         sizes = [2, 5, 1]
         inputs = [torch.arange(n, dtype=torch.float32) + 100 * rank for n in sizes]
         buffer = torch.full((world * sum(sizes) + 1,), -1.0)
@@ -122,7 +123,7 @@ def _many(rank, world):
             offset += world * n
         comm.all_gather_into_many(outputs, inputs, label="test").wait()
         if how == "refused":
-            C._coalescing_manager = saved
+            G._coalescing_manager = saved
         out[how] = (buffer, dict(comm.ledger.calls), dict(comm.ledger.elements))
     return out
 

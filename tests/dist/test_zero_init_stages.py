@@ -57,3 +57,24 @@ def _skip_init_job(rank, world):
 
 def test_skip_init_module_is_partitioned_after_to_empty_as_zeros(worlds):
     assert worlds.run(2, _skip_init_job) == [((0, 18, "cpu"), (5, 7), True)] * 2
+
+
+def _group_job(rank, world):
+    """``zero.Init(data_parallel_group=...)`` over a group of its own: every rank keeps its
+    chunk of rank 0's values (rank 0 of the group, a global rank the broadcast is told)."""
+    import torch.distributed as dist
+    import zerotrain
+
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(rank)   # each rank builds other values; rank 0's are broadcast
+    with zerotrain.zero.Init(data_parallel_group=group):
+        linear = torch.nn.Linear(3, 4)
+    with zerotrain.zero.GatheredParameters([linear.weight]):
+        return linear.weight.detach().clone()
+
+
+def test_zero_init_over_a_data_parallel_group_keeps_rank_0s_values(worlds):
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(3, 4).weight.detach()
+    for weight in worlds.run(2, _group_job):
+        assert torch.equal(weight, expected)

@@ -15,8 +15,10 @@ One module per job, lowest first:
 * ``ledger``: :class:`CommLedger` (Note: intra-node and cross-node bytes);
 * ``failures``: what a collective was, turned into a ``CollectiveError`` naming it only
   when it fails (Note: named failures);
+* ``coalesced``: several all-gathers launched together, one launch on a device and one by
+  one on the host (Note: coalesced gathers);
 * ``communicator``: :class:`Communicator`, the one place zerotrain's own collectives are
-  launched (Notes: collective devices, coalesced gathers);
+  launched (Note: collective devices);
 * ``deepspeed_api``: DeepSpeed's ``deepspeed.comm`` functions (``get_rank``,
   ``all_reduce``...) for scripts that call them directly;
 * ``agreement``: the vote by which ranks agree on where they are before a backward that
@@ -33,9 +35,9 @@ import torch.distributed as dist
 from . import teardown
 from ..errors import CollectiveError  # defined there; importable from here too
 from .topology import Partition, Topology, group_of, local_node_entry
-from .communicator import (_SUBGROUPS, Communicator, _all_gather, _coalescing_manager,
-                           _describe, _DescribedWork, _drop_coalescing_state, _Launches,
-                           _reduce_op, _reduce_scatter)
+from .coalesced import _all_gather, _coalescing_manager, _drop_coalescing_state, _Launches
+from .communicator import (_SUBGROUPS, Communicator, _describe, _DescribedWork, _reduce_op,
+                           _reduce_scatter)
 from .deepspeed_api import (ReduceOp, _require_group, all_gather, all_gather_coalesced,
                             all_gather_into_tensor, all_gather_object, all_reduce,
                             all_reduce_coalesced, all_to_all, all_to_all_single, allgather_fn,

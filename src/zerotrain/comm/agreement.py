@@ -110,6 +110,7 @@ class _Pending:
 
     def _read(self) -> None:
         if self.done is not None:
+            assert self.host is not None   # set together with done, in __init__
             self.done.synchronize()   # the vote and its copy only, not the compute queue
             sums = self.host.tolist()
         else:

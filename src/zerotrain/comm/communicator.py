@@ -12,23 +12,6 @@ Note: collective devices
     :class:`Communicator` checks this before each call; the check is a few comparisons, so
     it is always on and every distributed test runs its collectives through it.
 
-Note: coalesced gathers
-    :meth:`Communicator.all_gather_into_many` runs several all-gathers, each into an output
-    of its own (stage 3 gathers every parameter of a unit straight into its place in the
-    unit's full buffer). On a device (NCCL) they go out as one launch: torch's
-    ``_coalescing_manager`` collects them and hands them to the backend together (one NCCL
-    group call). Host tensors are gathered one by one, each asynchronously, in the same
-    order: gloo runs a coalesced gather as ATen work (flatten, copy back) on its own worker
-    thread, and with torch 2.13 that corrupts the process heap while the training thread
-    runs the next unit's forward (measured: a 3-rank stage-3 run of 150 steps of a 6-block
-    model aborted with ``malloc(): unaligned tcache chunk`` or ``double free or
-    corruption`` in 7 runs of 7; one by one, or coalesced and waited for at once, it ran
-    clean). Gloo copies through a buffer of its own either way, so nothing is lost there.
-    Where torch has no coalescing manager, or the backend refuses the coalesced call, each
-    gather is launched on its own too; the results are the same, only the launch count
-    differs. The backend is the same on every rank, so every rank takes the same path and
-    the collectives pair up.
-
 Note: public launch points
     Each collective a :class:`Communicator` launches goes through the ``zerotrain.comm``
     function of its family (``deepspeed.comm``'s through the switch), looked up when it
@@ -38,7 +21,8 @@ Note: public launch points
     here a wrapper set on one of them sees zerotrain's own collectives as well. The checks,
     the ledger and the trail stay here, before the call: a wrapper changes what runs, never
     what is counted. Only gathers that go out together inside torch's coalescing manager
-    (a device: Note "coalesced gathers") launch directly: the manager collects the calls
+    (a device: Note "coalesced gathers" in ``coalesced.py``) launch directly: the manager
+    collects the calls
     rather than running them, so a wrapper there could break the group call; gathered
     one by one (the host), each goes through ``allgather_fn``.
 
@@ -62,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from .coalesced import _Launches, coalescable, launch_gathers
 from .failures import _DescribedWork, _Failure
 from .topology import Topology, group_of, local_node_entry
 from .ledger import CommLedger
@@ -69,10 +54,9 @@ from .setup import group_backends, group_timeout
 
 logger = logging.getLogger(__name__)
 
-# torch 2.13 renames the tensor collectives; torch 2.4 only has the old names.
+# torch 2.13 renames the tensor collectives; torch 2.4 only has the old names (the
+# all-gather's twin is in coalesced.py, which launches it).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_coalescing_manager: Any = getattr(dist.distributed_c10d, "_coalescing_manager", None)
 
 
 def _public(name: str) -> Callable:
@@ -113,7 +97,8 @@ class Communicator:
         self.topology = topology or Topology.single_node(dist.get_rank(),
                                                          dist.get_world_size())
         self.reach = "cross_node" if self.topology.spans_nodes(self.ranks) else "intra_node"
-        self._coalesce = True   # until the backend refuses (Note: coalesced gathers)
+        # until the backend refuses (Note "coalesced gathers" in coalesced.py)
+        self._coalesce = True
         # verdicts to read before the next launch, shared with the communicators made from
         # this one (Note "deferred verdicts" in agreement.py)
         self._unread: list[Callable[[], None]] = [] if unread is None else unread
@@ -229,8 +214,9 @@ class Communicator:
         """All-gathers of several tensors launched together, asynchronously: every rank's
         ``inputs[i]`` (``n_i`` elements) concatenated in rank order into ``outputs[i]``
         (``world * n_i`` elements, written in place: views of one buffer are fine). One
-        launch on a device, one per gather on the host (Note: coalesced gathers). Bytes
-        are counted as ``all_gather``'s, the outputs', and calls as the launches made.
+        launch on a device, one per gather on the host (Note "coalesced gathers" in
+        ``coalesced.py``). Bytes are counted as ``all_gather``'s, the outputs', and calls
+        as the launches made.
         Returns a handle whose ``wait()`` must be called before the outputs are read; all
         ranks call it with the same sizes in the same order."""
         if len(outputs) != len(inputs):
@@ -259,7 +245,8 @@ class Communicator:
     def gathers_flat(self, device: torch.device) -> bool:
         """Whether a unit of many tensors on ``device`` is gathered as one flat all-gather
         (a device backend, NCCL: one launch, copied out after) rather than one gather per
-        tensor in place (the host: Note "coalesced gathers"). The same on every rank."""
+        tensor in place (the host: Note "coalesced gathers" in ``coalesced.py``). The same
+        on every rank."""
         return device.type != "cpu"
 
     def _check_world_sized(self, what: str, whole: torch.Tensor, part: torch.Tensor) -> None:
@@ -269,9 +256,9 @@ class Communicator:
                              f"{self.world_size} x {part.numel()}")
 
     def _gather_many(self, outputs: Sequence[torch.Tensor],
-                     inputs: Sequence[torch.Tensor]) -> "_Launches":
-        """Launch the gathers (Note: coalesced gathers); a refused coalesced call is logged
-        once and not tried again."""
+                     inputs: Sequence[torch.Tensor]) -> _Launches:
+        """Launch the gathers (Note "coalesced gathers" in ``coalesced.py``); a refused
+        coalesced call is logged once and not tried again."""
         launches, refused = launch_gathers(outputs, inputs, self.group,
                                            coalesce=self._coalesces(outputs))
         if refused is not None:
@@ -280,7 +267,8 @@ class Communicator:
         return launches
 
     def _coalesces(self, outputs: Sequence[torch.Tensor]) -> bool:
-        """Whether these gathers go out as one launch (Note: coalesced gathers)."""
+        """Whether these gathers go out as one launch (Note "coalesced gathers" in
+        ``coalesced.py``)."""
         return self._coalesce and coalescable(outputs)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, async_op: bool = False,
@@ -363,63 +351,6 @@ class Communicator:
         """Wait until every rank of the group arrives; named (with ``label``) in any error."""
         self._call("barrier", None, label, False,
                    lambda: _public("barrier")(group=self.group))
-
-
-def coalescable(outputs: Sequence[torch.Tensor]) -> bool:
-    """Whether gathers into ``outputs`` may go out as one launch: several, on a device, with
-    a torch that has the coalescing manager (Note: coalesced gathers)."""
-    return (len(outputs) > 1 and _coalescing_manager is not None
-            and outputs[0].device.type != "cpu")
-
-
-def launch_gathers(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-                   group: Optional[dist.ProcessGroup], *, coalesce: bool
-                   ) -> tuple["_Launches", Optional[Exception]]:
-    """All-gather each ``inputs[i]`` into ``outputs[i]``, asynchronously: as one coalesced
-    launch when ``coalesce``, else one by one in order. Also returns the error of a backend
-    that refused to coalesce (the gathers then went out one by one), or None."""
-    refused = None
-    if coalesce:
-        try:
-            with _coalescing_manager(group, None, async_ops=True) as cm:
-                for output, input in zip(outputs, inputs):
-                    _all_gather(output, input, group=group, async_op=True)
-            return _Launches(list(cm.works), 1, inputs), None
-        except (RuntimeError, NotImplementedError, ValueError) as exc:
-            _drop_coalescing_state(group)
-            refused = exc
-    gather = _public("allgather_fn")   # Note: public launch points
-    works = [gather(output, input, group=group, async_op=True)
-             for output, input in zip(outputs, inputs)]
-    return _Launches(works, len(works), inputs), refused
-
-
-def _drop_coalescing_state(group: Optional[dist.ProcessGroup]) -> None:
-    """Forget gathers a failed coalescing manager left collected: torch clears them only
-    when the block ends normally, and later calls on the group would be collected too."""
-    c10d = dist.distributed_c10d
-    pending = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
-    if pending is not None:
-        pending.pop(group if group is not None else c10d._get_default_group(), None)
-
-
-class _Launches:
-    """Async works launched together; ``wait()`` waits for all of them. Keeps the inputs
-    alive until then (a device copy of a host shard has no other owner)."""
-
-    def __init__(self, works: list, count: int, inputs: Sequence[torch.Tensor]) -> None:
-        self._works = [w for w in works if w is not None]
-        self.count = count
-        self._inputs: Optional[Sequence[torch.Tensor]] = inputs
-
-    def wait(self, *args, **kwargs) -> bool:
-        for work in self._works:
-            work.wait(*args, **kwargs)
-        self._inputs = None
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
 
 def _describe(backends: Mapping[str, str]) -> str:

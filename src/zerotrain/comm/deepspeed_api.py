@@ -21,8 +21,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import coalesced as _gathers
 from . import communicator as _wire
-from .communicator import coalescable, launch_gathers
+from .coalesced import coalescable, launch_gathers
 
 ReduceOp = dist.ReduceOp
 
@@ -150,7 +151,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            **_: Any):
     """Every rank's ``input_tensor`` concatenated into ``output_tensor`` in rank order."""
     _require_group("all_gather_into_tensor")
-    return _wire._all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _gathers._all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -213,7 +214,7 @@ def all_gather_coalesced(output_tensors: list[torch.Tensor], input_tensors: list
                          group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
     """Every rank's ``input_tensors[i]`` concatenated in rank order into ``output_tensors[i]``,
     launched together (one coalesced launch on a device where torch has a coalescing
-    manager; host tensors one by one, Note "coalesced gathers" in ``communicator.py``)."""
+    manager; host tensors one by one, Note "coalesced gathers" in ``coalesced.py``)."""
     _require_group("all_gather_coalesced")
     if len(output_tensors) != len(input_tensors):
         raise ValueError(f"comm.all_gather_coalesced got {len(output_tensors)} outputs for "

@@ -113,7 +113,8 @@ class GradientBuckets:
         self.overlap = overlap
         self.in_flight = MAX_IN_FLIGHT if overlap else 1
         self.order = [(g, b) for g, lay in enumerate(self.layouts) for b in lay.blocks][::-1]
-        self._arrived = [[set() for _ in lay.blocks] for lay in self.layouts]
+        self._arrived: list[list[set[int]]] = [[set() for _ in lay.blocks]
+                                               for lay in self.layouts]
         self._launched = [[False] * len(lay.blocks) for lay in self.layouts]
         self._next = 0
         self.phase = BucketPhase.IDLE   # Note: bucket phases

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -106,17 +106,18 @@ def build_stage(stage: int, *, module: nn.Module,
     not ``comm``'s (sequence parallelism: the N/S data-parallel ranks, Note "the sequence
     mesh" in ``comm/sequence.py``).
     """
-    stage = _build(stage, module=module, groups=groups, comm=comm, policy=policy,
+    built = _build(stage, module=module, groups=groups, comm=comm, policy=policy,
                    zero_config=zero_config, make_optimizer=make_optimizer)
     if average_over is not None:
-        stage.data_parallel_world = average_over
-    return stage
+        built.data_parallel_world = average_over
+    return built
 
 
 def _build(stage: int, *, module: nn.Module,
            groups: Sequence[tuple[list[str], list[nn.Parameter]]],
            comm: Communicator, policy: PrecisionPolicy, zero_config,
-           make_optimizer: Callable[..., torch.optim.Optimizer]) -> Stage:
+           make_optimizer: Callable[..., torch.optim.Optimizer]
+           ) -> Union[ShardedDataParallel, PartitionedDataParallel]:
     stage_class(stage)   # ConfigError for a stage that does not exist
     offload = OffloadPlan.from_config(zero_config)
     device = next((p.device for p in module.parameters()), torch.device("cpu"))

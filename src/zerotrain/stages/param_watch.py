@@ -52,7 +52,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .zero3.partition import ZeroParamStatus
+from .zero3.ds_attrs import ZeroParamStatus
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def ensure_zero_ordered_dict(module, *, watch: Optional["ParameterWatch"] = None
     _convert(module, ZeROOrderedDict, watch)
 
 
-def _convert(module, cls: type, watch: Optional["ParameterWatch"]) -> None:
+def _convert(module, cls: type[TrackedParameters], watch: Optional["ParameterWatch"]) -> None:
     params = getattr(module, "_parameters", None)
     if not isinstance(params, dict):
         return
@@ -173,7 +173,8 @@ class ParameterWatch:
         self.known = frozenset(known)
         self.gather_external = gather_external
         self.in_forward = False
-        self._cls = ZeROOrderedDict if gather_external is not None else TrackedParameters
+        self._cls: type[TrackedParameters] = (ZeROOrderedDict if gather_external is not None
+                                              else TrackedParameters)
         self._noted: dict[int, nn.Parameter] = {}
         self._warned: set[int] = set()
         self._handles: list = []
@@ -210,7 +211,9 @@ class ParameterWatch:
         for module in self.root.modules():
             params = module.__dict__.get("_parameters")
             if type(params) is ZeROOrderedDict and params._watch is self:
-                params.__class__ = TrackedParameters
+                # the container changes class in place, which mypy reads as a narrowing
+                # of its declared type (ZeROOrderedDict, checked just above)
+                params.__class__ = TrackedParameters  # type: ignore[assignment]
 
     def note(self, param: nn.Parameter) -> None:
         if id(param) not in self._warned:

@@ -200,6 +200,7 @@ class ShardedDataParallel(BucketedStage):
 
         in_flight = launch(pieces[0]) if pieces else None
         for k, piece in enumerate(pieces):
+            assert in_flight is not None   # piece k was launched before the loop reached it
             work, matrix, start = in_flight
             in_flight = launch(pieces[k + 1]) if k + 1 < len(pieces) else None
             work.wait()
@@ -235,6 +236,7 @@ class ShardedDataParallel(BucketedStage):
 
         in_flight = launch(pieces[0]) if pieces else None
         for k in range(len(pieces)):
+            assert in_flight is not None   # piece k was launched before the loop reached it
             work, padded = in_flight
             in_flight = launch(pieces[k + 1]) if k + 1 < len(pieces) else None
             work.wait()
@@ -262,7 +264,7 @@ class ShardedDataParallel(BucketedStage):
         resident = self.storage.transfers.resident
         masters = [g.master for g in self.groups if not resident_only
                    or not self.storage.steps_on_host() or id(g.master) in resident]
-        params = [p for g in self.groups for p in g.params]
+        params: list[torch.Tensor] = [p for g in self.groups for p in g.params]
         states = self._gradient_states()
         states["lp_grads"] = states["lp_grads"] + [p.grad for p in params if p.grad is not None]
         return {"optim_states": self._state_of(masters), "hp_params": masters,
@@ -277,10 +279,11 @@ class ShardedDataParallel(BucketedStage):
     # ------------------------------------------------------------------ memory
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this stage holds, for distinct-storage accounting."""
-        params = [p for g in self.groups for p in g.params]
-        out = {
+        params: list[torch.Tensor] = [p for g in self.groups for p in g.params]
+        out: dict[str, list[torch.Tensor]] = {
             "parameters": params,
-            "gradients": self.buckets.tensors() + [p.grad for p in params],
+            "gradients": self.buckets.tensors() + [p.grad for p in params
+                                                   if p.grad is not None],
             self.state_category: [], "optimizer_state": [],
             "host_gradients": self.updater.host_tensors(),
         }

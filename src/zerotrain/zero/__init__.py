@@ -4,7 +4,7 @@
 the same user code runs at every stage.
 """
 from ..stages.zero3.zero_init import GatheredParameters, Init, register_external_parameter
-from ..stages.zero3.partition import ZeroParamStatus
+from ..stages.zero3.ds_attrs import ZeroParamStatus
 from .generation import unwrap_model_for_generation
 from .tiling import TiledLinear, TiledLinearReturnBias
 

@@ -15,7 +15,7 @@ Note: gather check
     On a device (NCCL) a unit is one flat all-gather, ``[header | shard]`` per rank, whose
     result is copied out into the parameters' segments (FSDP2's copy-out): the header costs
     16 bytes per rank and no launch. On the host (gloo) the payload gathers go out one by
-    one, in place (Note "coalesced gathers" in ``comm/communicator.py``), and the header
+    one, in place (Note "coalesced gathers" in ``comm/coalesced.py``), and the header
     goes first, alone, and is checked before they launch: gloo aborts the process (SIGABRT,
     no exception) when two ranks' gathers differ in size, which is what two different
     units usually are, so nothing of a unit may launch before the ranks agree on it. That
@@ -43,7 +43,7 @@ Note: held reductions
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -154,12 +154,14 @@ class CheckedGathering:
     them, then copies each piece's columns out into its place."""
 
     def __init__(self, work, rows: torch.Tensor, h: int, header: list[int],
-                 pieces: Sequence[tuple[int, int, torch.Tensor]], comm: Communicator,
+                 pieces: Sequence[tuple[Union[int, torch.SymInt], int, torch.Tensor]],
+                 comm: Communicator,
                  check: GatherCheck, keep: torch.Tensor) -> None:
         self._work, self._rows, self._h, self._header = work, rows, h, header
         self._pieces = pieces   # (column after the header, chunk, output of world*chunk)
         self._comm, self._check = comm, check
-        self._keep = keep       # the input, alive until the gather is done
+        # the input, alive until the gather is done
+        self._keep: Optional[torch.Tensor] = keep
 
     def wait(self) -> None:
         if self._work is not None:
@@ -292,9 +294,11 @@ class _HeldReduction:
 
     def __init__(self, owner: HostLaunches, output: torch.Tensor, input: torch.Tensor,
                  label: str) -> None:
-        self._owner, self._args, self._work = owner, (output, input, label), None
+        self._owner, self._work = owner, None
+        self._args: Optional[tuple[torch.Tensor, torch.Tensor, str]] = (output, input, label)
 
     def launch(self) -> None:
+        assert self._args is not None   # launched once: the owner empties its held list first
         output, input, label = self._args
         self._work = self._owner.comm.reduce_scatter(output, input, async_op=True,
                                                      label=label)

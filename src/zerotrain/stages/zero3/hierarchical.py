@@ -17,7 +17,7 @@ Note: which group does what
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from ...comm import Communicator
 from ...errors import ConfigError
@@ -40,7 +40,9 @@ def build_groups(comm: Communicator, zero_config) -> Zero3Groups:
     topology = comm.topology
     hpz = int(zero_config.zero_hpz_partition_size)
     mics = int(zero_config.mics_shard_size)
-    shard, reduce_scatter = comm, None
+    shard = comm
+    reduce_scatter: Optional[Union[ReplicatedReduceScatter,
+                                   QuantizedHierarchicalReduceScatter]] = None
     if 0 < mics < comm.world_size:
         blocks = topology.blocks(mics)
         shard = comm.subgroup(blocks)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .ds_attrs import ds_param
 from .scheduler import UnitScheduler
 from .unit import Unit
 from .usage import UsageRecords
@@ -106,7 +107,8 @@ def _after_forward(scheduler: UnitScheduler, usage: UsageRecords, indices: tuple
     if not params and not indices:
         return
     usage.returned(module, params)
-    returned = {p.ds_unit.spec.index for p in params if not p.ds_unit.spec.persistent}
+    units = [ds_param(p).ds_unit.spec for p in params]
+    returned = {spec.index for spec in units if not spec.persistent}
     for index in indices:
         for unit in sorted(returned):   # Note: returned parameters (scheduler.py)
             scheduler.pin(unit, index)
@@ -117,7 +119,7 @@ def _after_forward(scheduler: UnitScheduler, usage: UsageRecords, indices: tuple
 def _start_backward_on_grad(scheduler: UnitScheduler, index: int, module: nn.Module,
                             output: Any) -> None:
     """The first gradient of ``module``'s output starts the unit's backward."""
-    fired = []
+    fired: list[bool] = []
 
     def on_grad(grad):
         if not fired:
@@ -137,19 +139,20 @@ def _start_backward_on_grad(scheduler: UnitScheduler, index: int, module: nn.Mod
             tensor.register_hook(on_grad)
 
 
-def returned_params(output: Any) -> list[nn.Parameter]:
+def returned_params(output: Any) -> list[torch.Tensor]:
     """The stage-3 parameters (or views of them) in ``output``, each once."""
     if type(output) is torch.Tensor and (output._base is None
                                          or not hasattr(output._base, "ds_unit")):
         return []   # the common case, an activation: answered without a walk
-    found: list[nn.Parameter] = []
+    found: list[torch.Tensor] = []
     tensors = list(_tensors(output))
     if not tensors and hasattr(output, "__dict__") and not isinstance(output, nn.Module):
         # a plain object holding the outputs, as DeepSpeed also looks into
         tensors = [v for v in vars(output).values() if isinstance(v, torch.Tensor)]
     for tensor in tensors:
         param = tensor if isinstance(tensor, nn.Parameter) else tensor._base
-        if getattr(param, "ds_unit", None) is not None and not any(p is param for p in found):
+        if (param is not None and getattr(param, "ds_unit", None) is not None
+                and not any(p is param for p in found)):
             found.append(param)
     return found
 

@@ -23,6 +23,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
+from .ds_attrs import ds_module
+
 logger = logging.getLogger(__name__)
 
 # What DeepSpeed 0.19 flags by default (``zero_optimization.leaf_module.classes``).
@@ -52,7 +54,7 @@ def get_z3_leaf_modules(model: nn.Module) -> List[nn.Module]:
 
 def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
     """Flag (or unflag) one module."""
-    model._z3_leaf = flag
+    ds_module(model)._z3_leaf = flag
 
 
 def _qualified_name(module: nn.Module) -> str:
@@ -68,16 +70,16 @@ def _matches(module: nn.Module, wanted: Union[type, str]) -> bool:
 
 def _flag_classes(model: nn.Module, classes: ClassList, flag: bool,
                   raise_if_not_found: bool) -> List[nn.Module]:
-    classes = list(classes)
-    bad = [c for c in classes if not isinstance(c, (type, str))]
+    listed: list[Union[type, str]] = list(classes)
+    bad = [c for c in listed if not isinstance(c, (type, str))]
     if bad:
         raise TypeError(f"leaf_module_classes must be a list of classes or class names, "
                         f"got {bad!r}")
-    found = [m for m in model.modules() if any(_matches(m, c) for c in classes)]
+    found = [m for m in model.modules() if any(_matches(m, c) for c in listed)]
     for m in found:
-        m._z3_leaf = flag
+        ds_module(m)._z3_leaf = flag
     if not found and raise_if_not_found:
-        raise ValueError(f"No modules of type {classes} found in model "
+        raise ValueError(f"No modules of type {listed} found in model "
                          f"{type(model).__name__}")
     return found
 
@@ -109,7 +111,7 @@ def set_z3_leaf_modules_by_name(model: nn.Module, module_names: Sequence[str],
         if module is None:
             missing.append(name)
             continue
-        module._z3_leaf = flag
+        ds_module(module)._z3_leaf = flag
         found.append(module)
     if missing and raise_if_not_found:
         raise ValueError(f"No modules named {missing} found in model {type(model).__name__}")
@@ -127,7 +129,7 @@ def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: Sequen
         matched = False
         for name, module in by_name.items():
             if name.endswith(suffix):
-                module._z3_leaf = flag
+                ds_module(module)._z3_leaf = flag
                 matched = True
                 if id(module) not in seen:
                     seen.add(id(module))

@@ -13,7 +13,7 @@ Note: parameter chunks
     frozen parameter kept as int8, ``zero3/frozen.py``, its packed bytes, as in DeepSpeed).
     ``param.shape`` is therefore ``(0,)``: read full values inside
     ``zero.GatheredParameters``. Code written for DeepSpeed also finds ``ds_id`` (a number
-    unique in the process) and ``ds_status`` (a :class:`ZeroParamStatus`, kept current by
+    unique in the process) and ``ds_status`` (a ``ds_attrs.ZeroParamStatus``, kept current by
     :func:`mark` at every gather and release).
 
 Note: writes through ds_tensor
@@ -50,21 +50,14 @@ Note: writes through ds_tensor
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's ``ds_status`` values: whether ``param.data`` holds the full value."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
+from .ds_attrs import ZeroParamStatus, ds_param
 
 
 _ds_ids = itertools.count()   # DeepSpeed numbers partitioned parameters per process too
@@ -78,7 +71,8 @@ def mark(params, status: ZeroParamStatus) -> None:
         p.ds_status = status
 
 
-_DATA = torch._C.TensorBase.data   # the plain ``.data`` descriptor
+# the plain ``.data`` descriptor (its stub types it as the tensor an instance returns)
+_DATA: Any = torch._C.TensorBase.data
 
 
 class ChunkTensor(torch.Tensor):
@@ -86,7 +80,9 @@ class ChunkTensor(torch.Tensor):
     chunk in its unit's shard (Note: writes through ds_tensor). Operations on it return
     plain tensors; ``ds_param_name`` names the parameter in errors."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # Any: the stub types this function apart from Tensor's classmethod; torch's own way
+    # to keep operations on a subclass from returning the subclass
+    __torch_function__: Any = torch._C._disabled_torch_function_impl
     ds_param_name = "<unnamed>"
     ds_on_rebind: Optional[Callable[[], None]] = None   # the unit's: look at me before use
 
@@ -134,7 +130,7 @@ def take_rebinding(param: nn.Parameter, own: torch.Tensor, name: str) -> bool:
     """If ``param.ds_tensor`` no longer views ``own`` (its chunk in the unit's shard: its
     ``.data`` was rebound, or the attribute replaced), copy its values into ``own`` and
     make it view ``own`` again; True if it did (Note: writes through ds_tensor)."""
-    current = param.ds_tensor
+    current = ds_param(param).ds_tensor
     if (isinstance(current, ChunkTensor) and current.device == own.device
             and (own.numel() == 0 or current.data_ptr() == own.data_ptr())
             and current.shape == own.shape and current.stride() == own.stride()):
@@ -145,7 +141,8 @@ def take_rebinding(param: nn.Parameter, own: torch.Tensor, name: str) -> bool:
     if isinstance(current, ChunkTensor):
         _DATA.__set__(current, own)   # the object scripts hold stays the parameter's
     else:
-        param.ds_tensor = chunk_view(own, name, getattr(current, "ds_on_rebind", None))
+        ds_param(param).ds_tensor = chunk_view(own, name,
+                                               getattr(current, "ds_on_rebind", None))
     return True
 
 
@@ -159,11 +156,11 @@ def is_partitioned(param: torch.Tensor) -> bool:
 
 def full_shape(param: torch.Tensor) -> torch.Size:
     """The shape of the full parameter, partitioned or not."""
-    return param.ds_shape if is_partitioned(param) else param.shape
+    return ds_param(param).ds_shape if is_partitioned(param) else param.shape
 
 
 def full_numel(param: torch.Tensor) -> int:
-    return param.ds_numel if is_partitioned(param) else param.numel()
+    return ds_param(param).ds_numel if is_partitioned(param) else param.numel()
 
 
 def chunk_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -186,13 +183,15 @@ def partition(param: nn.Parameter, rank: int, world: int,
     """Keep only this rank's chunk of ``param`` (``chunk`` if given) and drop the rest."""
     if is_partitioned(param):
         return
-    param.ds_shape = param.shape
-    param.ds_numel = param.numel()
-    param.ds_tensor = chunk if chunk is not None else chunk_of(param.data, rank, world)
+    ds = ds_param(param)
+    ds.ds_shape = param.shape
+    ds.ds_numel = param.numel()
+    ds.ds_tensor = chunk if chunk is not None else chunk_of(param.data, rank, world)
     param.data = empty_placeholder(param)
     mark([param], ZeroParamStatus.NOT_AVAILABLE)
 
 
 def fill_full(param: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
     """The full value from all ranks' chunks stacked as ``(world, chunk)`` (a view if possible)."""
-    return chunks.reshape(-1)[: param.ds_numel].view(param.ds_shape)
+    ds = ds_param(param)
+    return chunks.reshape(-1)[: ds.ds_numel].view(ds.ds_shape)

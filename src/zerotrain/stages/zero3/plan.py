@@ -93,6 +93,7 @@ class LaunchPlan:
         self._decoy_step()
 
     def _leave(self, actual: Callable[[], str]) -> None:
+        assert self.plan is not None   # both callers return first where no plan stands
         planned = self.plan[self.cursor]
         self.left += 1
         self.comm.ledger.trail.note("left the plan", None,

@@ -330,6 +330,7 @@ class UnitScheduler:
         if not self._following:
             return
         trace = self._trace
+        assert trace is not None   # following means a trace: both change together
         if self._cursor < len(trace) and trace[self._cursor] == index:
             self._cursor += 1
         else:
@@ -341,8 +342,10 @@ class UnitScheduler:
         """The trace's next units; without grad (evaluation) only its forward's, since no
         backward follows to use the others."""
         if self._following:
-            end = len(self._trace) if torch.is_grad_enabled() else self._trace_forward
-            yield from self._trace[self._cursor:end]
+            trace = self._trace
+            assert trace is not None   # following means a trace: both change together
+            end = len(trace) if torch.is_grad_enabled() else self._trace_forward
+            yield from trace[self._cursor:end]
 
     def _live_numel(self) -> int:
         return sum(u.numel for u in self.units
@@ -364,9 +367,11 @@ class UnitScheduler:
     def _reused_soon(self, index: int) -> bool:
         if not self._following:
             return False
+        trace = self._trace
+        assert trace is not None   # following means a trace: both change together
         distance = 0
         seen: set[int] = set()
-        for upcoming in self._trace[self._cursor:]:
+        for upcoming in trace[self._cursor:]:
             if upcoming == index:
                 live = self._live_numel()
                 return (distance < self.policy.max_reuse_distance

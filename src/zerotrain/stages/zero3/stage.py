@@ -35,6 +35,7 @@ from ...offload import Storage
 from ...core.precision import PrecisionPolicy
 from ..base import FROZEN, BucketedStage, RecordArrivals, ShardRecord
 from . import partition as P
+from .ds_attrs import ds_param
 from ...errors import RankDivergenceError
 from .gather_check import CALLS
 from .hierarchical import build_groups
@@ -102,6 +103,7 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
         self._masters = [unit.master_view(s) for unit, s in self._records]
         per_group: list[list[torch.Tensor]] = [[] for _ in groups]
         for (unit, s), master in zip(self._records, self._masters):
+            assert s.group is not None   # _records holds the slices of optimizer groups
             per_group[s.group].append(master)
         self.optimizer = make_optimizer(per_group)
         self.updater = make_updater(self.optimizer)   # offload/updater.py
@@ -214,10 +216,10 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
                                "(offload_optimizer.dpu) ran: publishing the update rewrites "
                                "them from the masters", written)
             self.publish_parameters()
-        written = [u for u in self.units if u.shard_written()]
-        if written:
+        changed = [u for u in self.units if u.shard_written()]
+        if changed:
             self.updater.retract()   # a speculative step read the masters before the write
-            for unit in written:
+            for unit in changed:
                 unit.take_shard_writes()
 
     def close(self) -> None:
@@ -252,6 +254,7 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
         for unit, ref, version in decoded:
             values = ref()
             if values is not None and values._version != version:
+                assert unit.frozen is not None   # frozen_records decodes int8 units only
                 unit.frozen.load_record(values)
                 unit.shards_changed()
         super().publish_parameters()
@@ -279,10 +282,12 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
         out = []
         for (unit, s), master in zip(self._records, self._masters):
             params = [unit.spec.params[i] for i in s.indices]
+            assert s.group is not None   # _records holds the slices of optimizer groups
             out.append(ShardRecord(
                 names=[self._names[id(p)] for p in params],
-                shapes=[tuple(p.ds_shape) for p in params], layout=s.layout, master=master,
-                optimizer_state=self.optimizer.state[master], group_index=s.group))
+                shapes=[tuple(ds_param(p).ds_shape) for p in params], layout=s.layout,
+                master=master, optimizer_state=self.optimizer.state[master],
+                group_index=s.group))
         return out
 
     def full_shape(self, tensor: torch.Tensor) -> torch.Size:
@@ -323,7 +328,8 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
     def _record(self, unit: Unit, s: GroupSlice, master: torch.Tensor) -> ShardRecord:
         params = [unit.spec.params[i] for i in s.indices]
         return ShardRecord(names=[self._names[id(p)] for p in params],
-                           shapes=[tuple(p.ds_shape) for p in params], layout=s.layout,
+                           shapes=[tuple(ds_param(p).ds_shape) for p in params],
+                           layout=s.layout,
                            master=master, optimizer_state={}, group_index=FROZEN)
 
     # ------------------------------------------------------------------ offload_states
@@ -347,7 +353,7 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
                 "lp_params": params, **self._gradient_states()}
 
     def state_views(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
+        out: list[Optional[torch.Tensor]] = []
         for u in self.units:
             out += [u.master, u.shard, u.full, *u.segments, *u.views]
             if u.frozen is not None:

@@ -15,6 +15,7 @@ from torch import nn
 from ...errors import StateError
 from ..base import CompileTarget
 from . import partition as P
+from .ds_attrs import ds_module
 from .hooks import hooks_set_aside, install_module_hooks, unit_users
 from .scheduler import UnitScheduler
 from .unit import Unit
@@ -104,7 +105,7 @@ def warn_if_partitioned(module: nn.Module, state_dict: dict, prefix: str,
         value = state_dict.get(prefix + name)
         if (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
                 and P.is_partitioned(param) and value.shape != P.full_shape(param)):
-            module._zerotrain_warned_state_dict = True
+            ds_module(module)._zerotrain_warned_state_dict = True
             logger.warning(
                 "state_dict() of a ZeRO stage-3 model holds partitioned parameters, e.g. "
                 "%r of shape %s for %s: saving it writes no weights. Use "

@@ -50,9 +50,10 @@ from ...core.flat import FlatLayout
 from ...offload import Storage
 from ...core.precision import PrecisionPolicy
 from . import partition as P
+from .ds_attrs import ZeroParamStatus, ds_param
 from .frozen import QuantizedSlice
 from .unit_specs import UnitSpec
-from .wire import NO_BUCKET_LIMIT, UnitWire
+from .wire import NO_BUCKET_LIMIT, Gatherings, UnitWire
 from .zero_init import attach_param_methods
 
 
@@ -107,12 +108,13 @@ class Unit:
             self.shard.copy_(self.master)
         self.state = UnitState.RELEASED
         self._holders = 0   # Note: holders in scheduler.py
-        self._pending = None
+        self._pending: Optional[Gatherings] = None   # the gather in flight
         for p in spec.params:  # the unit's shard is the source of truth from now on
-            p.ds_shape, p.ds_numel = P.full_shape(p), P.full_numel(p)
-            p.ds_persist = spec.persistent   # DeepSpeed's name: stays gathered between uses
+            ds = ds_param(p)
+            ds.ds_shape, ds.ds_numel = P.full_shape(p), P.full_numel(p)
+            ds.ds_persist = spec.persistent   # DeepSpeed's name: stays gathered between uses
             p.data = P.empty_placeholder(p)
-        P.mark(spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
+        P.mark(spec.params, ZeroParamStatus.NOT_AVAILABLE)
         self.full = torch.empty(sum(self._segment_numels()), dtype=self.shard.dtype,
                                 device=device)
         self.segments, self.views = self._param_views()   # made while the storage has bytes
@@ -165,7 +167,7 @@ class Unit:
                 "given a full .data outside zero.GatheredParameters; that value would "
                 "be lost: write it inside zero.GatheredParameters(params, "
                 "modifier_rank=0) or with an in-place operation")
-        chunk = p.ds_tensor if P.is_partitioned(p) else P.chunk_of(p.data, rank, world)
+        chunk = ds_param(p).ds_tensor if P.is_partitioned(p) else P.chunk_of(p.data, rank, world)
         if chunk.numel() != numel:
             raise StateError(
                 f"a parameter of unit {self.spec.name or '<root>'!r} was partitioned "
@@ -180,18 +182,20 @@ class Unit:
             for slot, i in zip(s.layout.slots, s.indices):
                 where = s.layout.shard_slice(slot)
                 p = self.spec.params[i]
-                p.ds_tensor = P.chunk_view(   # Note "writes through ds_tensor" in partition.py
+                ds = ds_param(p)
+                ds.ds_tensor = P.chunk_view(   # Note "writes through ds_tensor" in partition.py
                     self.shard[s.column + where.start: s.column + where.stop],
                     self.spec.names[i], self._note_rebind)
-                p.ds_master = self.master[s.column + where.start: s.column + where.stop]
-                p.ds_unit = self
+                ds.ds_master = self.master[s.column + where.start: s.column + where.stop]
+                ds.ds_unit = self
                 attach_param_methods(p)
         if self.frozen is not None:   # DeepSpeed's ds_tensor is the int8 chunk here too
             for k, i in enumerate(self.frozen.indices):
                 p = self.spec.params[i]
-                p.ds_tensor = self.frozen.row(k)
-                p.ds_master = None
-                p.ds_unit = self
+                ds = ds_param(p)
+                ds.ds_tensor = self.frozen.row(k)
+                ds.ds_master = None
+                ds.ds_unit = self
                 attach_param_methods(p)
         self._shard_version = self.shard._version   # the shard follows the master now
         self._rebound = False   # a ds_tensor's .data was assigned since take_rebinds
@@ -249,7 +253,7 @@ class Unit:
         except BaseException:
             self._free_full()
             raise
-        P.mark(self.spec.params, P.ZeroParamStatus.INFLIGHT)
+        P.mark(self.spec.params, ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING
 
     def shard_on_device(self):
@@ -264,12 +268,13 @@ class Unit:
         if self.state is UnitState.GATHERED:
             return
         self._expect(UnitState.GATHERING)
+        assert self._pending is not None   # GATHERING: start_gather() set it
         self._pending.wait()   # a failed gather stays pending: waiting again raises again
         self._pending = None
         self.wire.gathered(self, self.views)
         for p, view in zip(self.spec.params, self.views):
             p.data = view
-        P.mark(self.spec.params, P.ZeroParamStatus.AVAILABLE)
+        P.mark(self.spec.params, ZeroParamStatus.AVAILABLE)
         self.state = UnitState.GATHERED
 
     def release(self, *, persistent_too: bool = False) -> None:
@@ -284,7 +289,7 @@ class Unit:
             return
         for p in self.spec.params:
             p.data = P.empty_placeholder(p)
-        P.mark(self.spec.params, P.ZeroParamStatus.NOT_AVAILABLE)
+        P.mark(self.spec.params, ZeroParamStatus.NOT_AVAILABLE)
         self._free_full()
         self.state = UnitState.RELEASED
 
@@ -297,7 +302,7 @@ class Unit:
             storage.resize_(self.full.numel() * self.full.element_size())
 
     def _segment_numels(self) -> list[int]:
-        return [self.wire.padded_numel(p.ds_numel) for p in self.spec.params]
+        return [self.wire.padded_numel(ds_param(p).ds_numel) for p in self.spec.params]
 
     def _param_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each parameter's segment of ``full`` and its view (the segment's first
@@ -307,7 +312,8 @@ class Unit:
         for p, numel in zip(self.spec.params, self._segment_numels()):
             segment = self.full[offset: offset + numel]
             segments.append(segment)
-            views.append(segment[: p.ds_numel].view(p.ds_shape))
+            ds = ds_param(p)
+            views.append(segment[: ds.ds_numel].view(ds.ds_shape))
             offset += numel
         return segments, views
 
@@ -339,7 +345,7 @@ class Unit:
         taken, base = False, self.shard.data_ptr()
         size = self.shard.element_size()
         for i, start, numel in self._chunks:
-            current = self.spec.params[i].ds_tensor
+            current = ds_param(self.spec.params[i]).ds_tensor
             if (type(current) is P.ChunkTensor and current.numel() == numel
                     and (numel == 0 or current.data_ptr() == base + start * size)):
                 continue   # still this chunk of the shard (the cheap check, every gather)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .ds_attrs import ds_param
 from .leaf import z3_leaf_module
 from .partition import full_numel
 
@@ -128,16 +129,16 @@ def build_units(root: nn.Module, *, unit_numel: int, persistence_threshold: int)
         used = list(module.parameters(recurse=False))
         used += getattr(module, "_zerotrain_external_params", [])
         for p in used:
-            unit = owner.get(id(p))
-            if unit is None:
+            owning = owner.get(id(p))
+            if owning is None:
                 raise ValueError(f"module {names_of(root, module)!r} uses an external parameter "
                                  "that is not part of the model given to initialize")
-            if unit is not main and not unit.persistent:
-                main.deps.add(unit.index)
+            if owning is not main and not owning.persistent:
+                main.deps.add(owning.index)
     for spec in units:   # DeepSpeed's mark, read by z3_leaf_parameter
         if spec.leaf:
             for p in spec.params:
-                p.ds_z3_leaf_module = spec.module
+                ds_param(p).ds_z3_leaf_module = spec.module
     # a unit without parameters of its own still matters when it gathers others for its modules
     return _renumber([u for u in units if u.params or u.deps])
 

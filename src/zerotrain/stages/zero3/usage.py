@@ -41,6 +41,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .ds_attrs import ds_module, ds_param
 from .unit import Unit
 
 
@@ -63,22 +64,23 @@ class UsageRecords:
     def __init__(self, root: nn.Module, units: list[Unit]) -> None:
         self._units = units
         self._stack: list[nn.Module] = []   # modules whose forward is running, outermost first
-        self._active = [set() for _ in units]   # the sets the parameters show
+        self._active: list[set[int]] = [set() for _ in units]   # the sets the parameters show
         self._calls: list[dict[int, int]] = [{} for _ in units]   # module id -> calls running
         self._backward: list[set[int]] = [set() for _ in units]   # modules whose grad began it
         self._recompute: dict[int, nn.Module] = {}   # kept unit -> the module that kept it
         for number, module in enumerate(root.modules()):
-            module.ds_id = number
-            module.ds_recompute_parameters = set()
+            ds = ds_module(module)
+            ds.ds_id = number
+            ds.ds_recompute_parameters = set()
             if not isinstance(getattr(module, "_external_params", None), dict):
-                module._external_params = {}
+                ds._external_params = {}
             if not hasattr(module, "ds_external_parameters"):
-                module.ds_external_parameters = ExternalParameters(module)
+                ds.ds_external_parameters = ExternalParameters(module)
         for unit, active in zip(units, self._active):
             for p in unit.spec.params:
-                p.ds_active_sub_modules = active
+                ds_param(p).ds_active_sub_modules = active
                 if not hasattr(p, "is_external_param"):
-                    p.is_external_param = False
+                    ds_param(p).is_external_param = False
 
     # ------------------------------------------------------------------ forward
     def push(self, module: nn.Module) -> None:
@@ -99,7 +101,7 @@ class UsageRecords:
     def entered(self, index: int, module: nn.Module) -> None:
         """A module using unit ``index`` starts its forward."""
         calls = self._calls[index]
-        key = module.ds_id
+        key = ds_module(module).ds_id
         running = calls.get(key, 0)
         calls[key] = running + 1
         if not running:
@@ -108,7 +110,7 @@ class UsageRecords:
     def left(self, index: int, module: nn.Module) -> None:
         """A module using unit ``index`` ends its forward."""
         calls = self._calls[index]
-        key = module.ds_id
+        key = ds_module(module).ds_id
         running = calls.get(key, 0) - 1
         if running > 0:
             calls[key] = running
@@ -117,13 +119,13 @@ class UsageRecords:
         if key not in self._backward[index]:
             self._active[index].discard(key)
 
-    def returned(self, module: nn.Module, params: Iterable[nn.Parameter]) -> None:
+    def returned(self, module: nn.Module, params: Iterable[torch.Tensor]) -> None:
         """``module``'s forward (already popped) returned ``params`` (DeepSpeed's rules)."""
         for p in params:
             key = id(p)
             if any(key in getattr(m, "_external_params", ()) for m in self._stack):
                 continue
-            p.is_external_param = True
+            ds_param(p).is_external_param = True
             if self._stack:
                 _external(self._stack[-1])[key] = p
             _external(module).pop(key, None)
@@ -131,8 +133,9 @@ class UsageRecords:
     # ------------------------------------------------------------------ backward
     def backward_began(self, index: int, module: nn.Module) -> None:
         """The gradient of ``module``'s output starts unit ``index``'s backward."""
-        self._backward[index].add(module.ds_id)
-        self._active[index].add(module.ds_id)
+        key = ds_module(module).ds_id
+        self._backward[index].add(key)
+        self._active[index].add(key)
 
     def backward_done(self, index: int) -> None:
         """Unit ``index``'s backward is done (the scheduler let go of it)."""
@@ -145,14 +148,15 @@ class UsageRecords:
     def kept_in_recompute(self, index: int, module: nn.Module) -> None:
         """A recomputation of ``module``'s forward kept unit ``index`` for its backward."""
         self.unkept(index)
-        module.ds_recompute_parameters.update(self._units[index].spec.params)
+        ds_module(module).ds_recompute_parameters.update(self._units[index].spec.params)
         self._recompute[index] = module
 
     def unkept(self, index: int) -> None:
         """Unit ``index`` is no longer kept (its hold passed on, or was dropped)."""
         module = self._recompute.pop(index, None)
         if module is not None:
-            module.ds_recompute_parameters.difference_update(self._units[index].spec.params)
+            ds_module(module).ds_recompute_parameters.difference_update(
+                self._units[index].spec.params)
 
     def reset(self) -> None:
         """Every unit released: no module uses one any more."""
@@ -169,7 +173,7 @@ def _external(module: nn.Module) -> dict:
     """``module._external_params``, made on first use (a module added after set-up)."""
     found = getattr(module, "_external_params", None)
     if not isinstance(found, dict):
-        found = module._external_params = {}
+        found = ds_module(module)._external_params = {}
     return found
 
 

@@ -19,7 +19,7 @@ Note: gathering in place
     order, are ``p`` itself followed by its zero padding. So each parameter is all-gathered
     on its own, straight into its segment of the unit's ``full`` buffer (``unit.py``,
     Note: unit tensors), and all of a unit's gathers go out as one launch on a GPU
-    (on the host one launch each, Note "coalesced gathers" in ``comm/communicator.py``).
+    (on the host one launch each, Note "coalesced gathers" in ``comm/coalesced.py``).
     Nothing is copied after those gathers: the parameters' views read the values where the
     collective wrote them. Two exceptions carry the gather check's header (Note "gather
     check" in ``gather_check.py``): on a device the whole unit is one flat gather copied

@@ -25,7 +25,6 @@ import sys
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
 INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
@@ -42,7 +41,7 @@ _TORCH_MODULES = ("torch.nn.init", "torch.nn.modules.activation",
 def bound_initializers() -> Iterator[tuple[Any, str, Callable]]:
     """(owner, name, original) for every place an init function of torch is bound now:
     module attributes, and transformers' table when transformers is imported."""
-    originals = {name: getattr(torch.nn.init, name) for name in INIT_FUNCTIONS
+    originals: dict[str, Callable] = {name: getattr(torch.nn.init, name) for name in INIT_FUNCTIONS
                  if hasattr(torch.nn.init, name)}
     for module_name in _TORCH_MODULES:
         module = sys.modules.get(module_name)
@@ -67,6 +66,7 @@ def skipped_by_transformers() -> Iterator[tuple[Any, str, Callable]]:
     table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
     if not isinstance(table, dict):
         return
+    assert hf is not None   # the table was read from it
 
     def skipped(fn: Any) -> bool:
         return (callable(fn) and getattr(fn, "__name__", "") == "empty_func"
@@ -128,12 +128,12 @@ class PartitionedWrites(TorchFunctionMode):
     value (Note: every init path). ``run(param, fn)`` gathers ``param``, calls ``fn`` on
     its full data and partitions it again."""
 
-    def __init__(self, run: Callable[[nn.Parameter, Callable], None]) -> None:
+    def __init__(self, run: Callable[[torch.Tensor, Callable], None]) -> None:
         super().__init__()
         self._run = run
-        self._owners: dict[int, nn.Parameter] = {}
+        self._owners: dict[int, torch.Tensor] = {}
 
-    def register(self, param: nn.Parameter) -> None:
+    def register(self, param: torch.Tensor) -> None:
         """``param``'s current placeholder is its empty ``.data`` (call after each change)."""
         self._owners[param.untyped_storage()._cdata] = param
 

@@ -197,7 +197,7 @@ class Init:
                               if isinstance(owner, type) else getattr(owner, name)))
         setattr(owner, name, replacement)
 
-    def _run_on_full(self, param: nn.Parameter, fn) -> None:
+    def _run_on_full(self, param: torch.Tensor, fn) -> None:
         """Run ``fn`` on ``param``'s full value; every rank keeps rank 0's result."""
         with GatheredParameters([param], modifier_rank=0):
             fn(param.data)
@@ -255,6 +255,7 @@ class Init:
             for p in fresh:
                 if p.is_floating_point():
                     p.data = p.data.to(self.dtype)
+        assert self.comm is not None   # __enter__ made it: modules are partitioned inside
         rank, world = self.comm.rank, self.comm.world_size
         if world > 1:   # on the communicator's device: NCCL takes only CUDA tensors
             flat = torch.cat([p.detach().reshape(-1).to(self.comm.device) for p in fresh])
@@ -289,7 +290,8 @@ class Init:
                         p.zero_()
             self._partition_module(module)
             return out
-        module.to_empty = to_empty
+        # an attribute of this module that shadows the method until its one call
+        setattr(module, "to_empty", to_empty)
 
 
 def _random_state() -> tuple[torch.Tensor, list[torch.Tensor]]:

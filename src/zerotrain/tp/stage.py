@@ -49,9 +49,9 @@ class TensorParallelStage:
         self._tp_mark: dict[str, int] = {}
         records = stage.shard_records()
         norm_comm = self.mesh.world if stage.sharded else self.mesh.tp
-        stage.grad_norm = TensorParallelNorm(
+        stage.use_grad_norm(TensorParallelNorm(
             norm_comm, self.mesh.tp_size,
-            [[plan.spec_of(n) is not None for n in r.names] for r in records])
+            [[plan.spec_of(n) is not None for n in r.names] for r in records]))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

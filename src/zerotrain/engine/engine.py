@@ -118,8 +118,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             stage.zerotrain_engine = weakref.ref(self)   # closed by a new initialize
             # Note "parameters the engine does not hold" in stages/param_watch.py
             self._param_watch = ParameterWatch(module, stage.zerotrain_params,
-                                               gather_external=getattr(stage, "gather_external",
-                                                                       None))
+                                               gather_external=stage.gather_external)
             self._param_watch.install()
             stage.zerotrain_param_watch = self._param_watch   # removed by close_stage
         if not self.inference_only:   # Note "vote plans" in vote_plan.py
@@ -318,7 +317,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                                  "backward outside no_sync, then step")
         self.settle(before_step=True)
         if (not self.config.zero_optimization.ignore_unused_parameters
-                and hasattr(self.stage, "unused_parameters")):
+                and self.stage.unused_parameters() is not None):
             try:
                 refuse_unused_parameters(self.stage, self.comm, self.global_steps + 1)
             except UnusedParameterError:

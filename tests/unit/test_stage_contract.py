@@ -9,8 +9,9 @@ from zerotrain.stages.base import BucketedStage
 from zerotrain.stages.protocol import Stage
 from zerotrain.stages.zero12 import ShardedDataParallel
 from zerotrain.stages.zero3.stage import PartitionedDataParallel
+from zerotrain.tp.stage import TensorParallelStage
 
-STAGE_CLASSES = [ShardedDataParallel, PartitionedDataParallel]
+STAGE_CLASSES = [ShardedDataParallel, PartitionedDataParallel, TensorParallelStage]
 
 
 def protocol_members(protocol: type) -> dict[str, object]:
@@ -57,6 +58,10 @@ def missing_members(cls: type, protocol: type = Stage) -> list[str]:
 @pytest.mark.parametrize("cls", STAGE_CLASSES, ids=lambda c: c.__name__)
 def test_every_stage_class_defines_every_member_of_the_protocol(cls):
     assert missing_members(cls) == []
+
+
+def test_the_tensor_parallel_wrapper_forwards_nothing_implicitly():
+    assert "__getattr__" not in vars(TensorParallelStage)
 
 
 def test_the_check_sees_a_missing_member_and_a_changed_signature():

@@ -87,8 +87,13 @@ class Stage(Protocol):
     """A ZeRO stage owns the gradients, the optimizer's shard and the parameter update
     (Note: the contract)."""
 
-    optimizer: torch.optim.Optimizer
-    partitions_parameters: bool   # parameters are shards between uses (stage 3)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over the master shards."""
+
+    @property
+    def partitions_parameters(self) -> bool:
+        """Parameters are shards between uses (stage 3)."""
 
     @property
     def comm(self) -> Communicator:

@@ -18,7 +18,13 @@ Rules:
 * every module is placed in :data:`ROWS`, and every module of ``comm`` in
   :data:`PACKAGE_ROWS` (a new module fails until it is placed);
 * no import cycle between modules of one package hides behind an import inside a function
-  or under ``if TYPE_CHECKING:`` (move the shared piece into a module of its own instead).
+  or under ``if TYPE_CHECKING:`` (move the shared piece into a module of its own instead);
+* outside ``stages``, a stage is called, never probed nor written onto: no
+  ``getattr``/``hasattr``/``setattr``/``delattr`` whose first argument is a stage (a name
+  or attribute chain ending in ``stage``, ``_stage`` or ``inner``, or a call of one), and no
+  assignment to or deletion of an attribute of one (Note "the contract" in
+  ``stages/protocol.py``). ``tp/stage.py`` wraps its inner stage from outside ``stages``
+  and keeps the rule too.
 
 Every import counts, including those inside functions and under ``if TYPE_CHECKING:``.
 """
@@ -362,6 +368,56 @@ def collective_violations(modules: Mapping[str, str]) -> list[str]:
     return problems
 
 
+# Where a stage is held outside ``stages``: the last name of the expression.
+STAGE_NAMES = frozenset({"stage", "_stage", "inner"})
+PROBES = frozenset({"getattr", "hasattr", "setattr", "delattr"})
+# Known probes left to their files' next change: (module, attribute probed). The member
+# exists on every stage (the contract's default), so each one answers as a call would.
+PENDING_PROBES: frozenset[tuple[str, str]] = frozenset({
+    ("engine/optimizer_views", "forward_hook_handles"),
+})
+
+
+def _is_stage(node: ast.AST) -> bool:
+    """``stage``, ``self._stage``, ``engine.stage``, ``self.inner``, ``self._stage()``..."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    name = (node.id if isinstance(node, ast.Name)
+            else node.attr if isinstance(node, ast.Attribute) else None)
+    return name is not None and (name in STAGE_NAMES or name.endswith("_stage"))
+
+
+def stage_probe_violations(modules: Mapping[str, str]) -> list[str]:
+    """Probes of a stage and writes onto one outside ``stages`` (the contract)."""
+    problems = []
+    for key, source in modules.items():
+        if top_name(key) == "stages":
+            continue
+        for node in ast.walk(ast.parse(source, filename=key)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in PROBES and node.args and _is_stage(node.args[0])):
+                attr = node.args[1] if len(node.args) > 1 else None
+                name = attr.value if isinstance(attr, ast.Constant) else "?"
+                if (key, name) not in PENDING_PROBES:
+                    problems.append(f"{key}.py:{node.lineno} {node.func.id}(<stage>, {name!r}):"
+                                    " call the stage's protocol member instead")
+                continue
+            targets: list[ast.AST] = []
+            if isinstance(node, (ast.Assign, ast.Delete)):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                for part in ast.walk(target):
+                    if (isinstance(part, ast.Attribute) and isinstance(part.ctx, (ast.Store, ast.Del))
+                            and _is_stage(part.value)):
+                        problems.append(f"{key}.py:{node.lineno} writes {part.attr!r} onto a "
+                                        "stage: keep the engine's records in "
+                                        "engine/ownership.py, hand the stage what it needs "
+                                        "through a protocol member")
+    return problems
+
+
 def _runtime_imports(key: str, tree: ast.AST, modules: Mapping[str, str]) -> Iterator[
         tuple[str, int, bool]]:
     """(target key, line, lazy) for every zerotrain import of ``key``; ``lazy``: inside a
@@ -456,6 +512,11 @@ def test_no_import_cycle_inside_a_package_hides_behind_a_lazy_import(modules):
     problems = lazy_cycles(modules)
     assert not problems, _report(problems) + ("\nmove what both modules need into a module "
                                               "of its own that imports neither")
+
+
+def test_a_stage_is_called_never_probed_nor_written_onto_outside_stages(modules):
+    problems = stage_probe_violations(modules)
+    assert not problems, _report(problems)
 
 
 def test_the_collective_detector_sees_comms_own_collectives(modules):
@@ -584,6 +645,46 @@ def test_checker_flags_collectives_outside_comm(source):
     assert collective_violations({"buckets": source})
     assert not collective_violations({"comm": source})
     assert not collective_violations({"comm/communicator": source})
+
+
+@pytest.mark.parametrize("source", [
+    "x = getattr(stage, 'grad_norm', None)\n",
+    "if hasattr(self.stage, 'unused_parameters'):\n    pass\n",
+    "n = getattr(engine.stage, 'split_of', None)\n",
+    "w = getattr(state.stage, 'tensor_parallel_world_size', 1)\n",
+    "h = hasattr(self._stage(), 'scheduler')\n",
+    "setattr(self.inner, 'grad_norm', norm)\n",
+    "stage.zerotrain_closed = True\n",
+    "self.stage.x = 1\n",
+    "engine.stage.zerotrain_engine = ref\n",
+    "self.inner.grad_norm = norm\n",
+    "held_stage.count += 1\n",
+    "stage.a, other.b = 1, 2\n",
+    "del stage.zerotrain_params\n",
+])
+def test_checker_flags_probes_of_and_writes_onto_a_stage_outside_stages(source):
+    assert stage_probe_violations({"engine/engine": source})
+    assert stage_probe_violations({"tp/stage": source})   # the wrapper keeps the rule too
+    assert not stage_probe_violations({"stages/zero12": source})
+
+
+@pytest.mark.parametrize("source", [
+    "x = stage.grad_norm\nstage.use_grad_norm(norm)\n",
+    "self.stage = stage\nself.inner = stage\n",
+    "ref = getattr(p, '_zerotrain_stage', None)\n",
+    "n = getattr(engine, 'stage_count', 0)\n",
+    "stage.buckets.reduce_scatter\n",
+    "handles = getattr(self.engine().stage, 'forward_hook_handles', None)\n",
+])
+def test_checker_allows_plain_calls_and_other_objects(source):
+    assert not stage_probe_violations({"engine/optimizer_views": source})
+
+
+def test_checker_keeps_only_the_named_pending_probe():
+    source = "handles = getattr(self.engine().stage, 'grad_norm', None)\n"
+    assert stage_probe_violations({"engine/optimizer_views": source})
+    source = "handles = getattr(self.engine().stage, 'forward_hook_handles', None)\n"
+    assert stage_probe_violations({"engine/api": source})
 
 
 def test_checker_allows_non_collective_torch_distributed_calls():

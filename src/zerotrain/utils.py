@@ -82,10 +82,10 @@ def get_state_devices(model: Any, state: Any) -> set[torch.device]:
     ``offload_states`` moved it, or where the config keeps it (optimizer offload puts the
     masters and their state on the host). Empty where the engine holds no such tensor (no
     optimizer state before the first step)."""
+    from .engine.engine import ZeroEngine
     kinds = parse_include([state])
-    stage = getattr(model, "stage", None)
-    if stage is None or not hasattr(stage, "movable_states"):
+    if not isinstance(model, ZeroEngine):
         raise StateError(f"get_state_devices: {type(model).__name__} is not a training "
                          "engine of zerotrain (pass what deepspeed.initialize returned)")
-    return {t.device for t in stage.movable_states(resident_only=False)[kinds[0]]
+    return {t.device for t in model.stage.movable_states(resident_only=False)[kinds[0]]
             if t is not None}

@@ -93,7 +93,7 @@ def whole_module_on_every_rank(state: TrainingState) -> bool:
     """Stages 0-2 without tensor parallelism (which leaves rank 0 a slice of a split
     layer): then rank 0's module is the model, and DeepSpeed's module file is written."""
     return (state.stage_index < 3
-            and getattr(state.stage, "tensor_parallel_world_size", 1) == 1)
+            and state.stage.tensor_parallel_world_size == 1)
 
 
 def frozen_records(state: TrainingState, exclude_frozen: bool) -> list:

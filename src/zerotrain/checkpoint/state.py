@@ -35,6 +35,11 @@ class ShardOwner(Protocol):
         """Make the module's parameters equal the (just loaded) master shards. Collective:
         every rank calls it."""
 
+    @property
+    def tensor_parallel_world_size(self) -> int:
+        """Ranks each split layer is spread over (1 without tensor parallelism: then rank
+        0's module is the whole model)."""
+
 
 @dataclass(slots=True)
 class TrainingState:

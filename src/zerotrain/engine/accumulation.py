@@ -198,9 +198,7 @@ class EngineAccumulation:
         the peer's next unit gather or step. Read at once: nothing of the call starts
         before."""
         if self.stage.partitions_parameters:
-            agree = getattr(self.stage, "agree_on_call", None)
-            if agree is not None:
-                agree(call)
+            self.stage.agree_on_call(call)
             return
         if self.managed_gradient_accumulation():
             values = (_EVENTS.index(call), self.micro_steps, self._micro_backwards)

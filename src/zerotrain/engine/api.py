@@ -66,8 +66,8 @@ class DeepSpeedEngineAPI:
         """Ranks of the data-parallel group: every rank, or world / T with
         ``tensor_parallel.autotp_size`` T (``zerotrain.tp``), or world / S with
         ``sequence_parallel_size`` S (the ranks that draw different samples)."""
-        return getattr(self.stage, "data_parallel_world_size",
-                       self.comm.world_size // self.sequence_parallel_size)
+        known = self.stage.data_parallel_world_size
+        return known if known is not None else self.comm.world_size // self.sequence_parallel_size
 
     @property
     def sequence_parallel_size(self) -> int:
@@ -85,7 +85,7 @@ class DeepSpeedEngineAPI:
     def mp_world_size(self) -> int:
         """Model-parallel ranks: the tensor-parallel size T (1 without tensor parallelism;
         no pipeline parallelism)."""
-        return getattr(self.stage, "tensor_parallel_world_size", 1)
+        return self.stage.tensor_parallel_world_size
 
     def get_data_parallel_world_size(self) -> int:
         return self.dp_world_size
@@ -202,10 +202,8 @@ class DeepSpeedEngineAPI:
         window's backward by itself, so this only waits for it (``bucket_size`` is
         DeepSpeed's and unused)."""
         self.settle()
-        buckets = getattr(self.stage, "buckets", None)
-        if buckets is not None and self._backward_in_window \
-                and self.is_gradient_accumulation_boundary():
-            buckets.collect()
+        if self._backward_in_window and self.is_gradient_accumulation_boundary():
+            self.stage.buckets.collect()
 
     @property
     def sparse_tensor_module_names(self) -> set[str]:
@@ -246,9 +244,7 @@ class DeepSpeedEngineAPI:
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: free the full parameters stage 3 still holds gathered between steps
         (persistent ones stay); nothing is gathered to free at stages 0-2."""
-        release = getattr(self.stage, "empty_partition_cache", None)
-        if release is not None:
-            release()
+        self.stage.empty_partition_cache()
 
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""

@@ -53,7 +53,7 @@ from .optimizer_choice import (no_optimizer, optimizer_factory,
                                refuse_fp32_cpu_adam_states,
                                refuse_offloaded_client_optimizer, scheduler_for,
                                trainable_groups)
-from .ownership import close_stage, open_stage_of
+from .ownership import claim_of, close_stage, open_stage_of
 from .resume import auto_resume
 from ..errors import ConfigError
 from ..muon import setup as muon_setup
@@ -292,7 +292,8 @@ def release_model(model: nn.Module) -> bool:
     held = open_stage_of(model)
     if held is None:
         return False
-    engine = getattr(held[1], "zerotrain_engine", lambda: None)()
+    claimed = claim_of(held[1])
+    engine = claimed.holder() if claimed is not None else None
     if engine is not None:
         engine.close()   # waits for its asynchronous save too
     else:

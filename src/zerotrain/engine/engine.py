@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -46,7 +45,7 @@ from ..errors import (ContextMisuseError, LossValueError, NonFiniteGradientError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
-from .ownership import claim, close_stage, refuse_when_closed
+from .ownership import claim, close_stage, is_closed, refuse_when_closed
 from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
 from ..stages.base import Stage, StepOutcome
 from ..stages.param_watch import ParameterWatch
@@ -114,14 +113,12 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._autocast_dtype = autocast.autocast_dtype(config, self.device)   # torch_autocast
         self._param_watch: Optional[ParameterWatch] = None
         if not self.inference_only or stage.partitions_parameters:
-            claim(stage, module)   # Note: one open engine per model
-            stage.zerotrain_engine = weakref.ref(self)   # closed by a new initialize
+            held = claim(stage, module, engine=self)   # Note: one open engine per model
             # Note "parameters the engine does not hold" in stages/param_watch.py
-            self._param_watch = ParameterWatch(module, stage.zerotrain_params,
-                                               gather_external=getattr(stage, "gather_external",
-                                                                       None))
+            self._param_watch = ParameterWatch(module, held.params,
+                                               gather_external=stage.gather_external)
             self._param_watch.install()
-            stage.zerotrain_param_watch = self._param_watch   # removed by close_stage
+            held.watch(self._param_watch)   # removed by close_stage
         if not self.inference_only:   # Note "vote plans" in vote_plan.py
             self._vote_plan = vote_plan_for(self)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
@@ -318,7 +315,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                                  "backward outside no_sync, then step")
         self.settle(before_step=True)
         if (not self.config.zero_optimization.ignore_unused_parameters
-                and hasattr(self.stage, "unused_parameters")):
+                and self.stage.unused_parameters() is not None):
             try:
                 refuse_unused_parameters(self.stage, self.comm, self.global_steps + 1)
             except UnusedParameterError:
@@ -358,7 +355,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         engine per model). An asynchronous save in flight is waited for first (collective,
         as :meth:`wait_for_checkpoint`); if it failed, the engine is closed all the same and
         the CheckpointError naming its tag is raised. Calling it again does nothing."""
-        if getattr(self.stage, "zerotrain_closed", False):
+        if is_closed(self.stage):
             return
         self.settle()
         try:

@@ -298,22 +298,17 @@ def parameter_records(engine: Any) -> list:
     """The stage's records in the shapes this rank's module holds: under tensor
     parallelism a split parameter's slice, not the checkpoints' gathered view (Note
     "slice or whole" in ``tp/stage.py``). The one place the readers choose their terms."""
-    stage = engine.stage
-    local = getattr(stage, "parameter_records", None)
-    return local() if local is not None else stage.shard_records()
+    return engine.stage.parameter_records()
 
 
 def _split_of(engine: Any, name: Optional[str]):
     """(split spec, tensor-parallel rank) of a split parameter, else None."""
-    split_of = getattr(engine.stage, "split_of", None)
-    return split_of(name) if split_of is not None and name else None
+    return engine.stage.split_of(name) if name else None
 
 
 def _publish(engine: Any) -> None:
     """Publish masters written through :func:`parameter_records` to the module's parameters."""
-    stage = engine.stage
-    publish = getattr(stage, "publish_parameter_records", None)
-    (publish if publish is not None else stage.publish_parameters)()
+    engine.stage.publish_parameter_records()
 
 
 def gradient_scale(engine: Any) -> float:

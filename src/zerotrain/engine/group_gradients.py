@@ -58,7 +58,7 @@ def _squares(engine: Any, record: Any, summed: torch.Tensor) -> torch.Tensor:
     """A record's squared gradient norm as the step takes it: with a norm spanning a
     wider group (``stages/gradient_norm.py``'s ``NormSpan``: tensor parallelism), its
     weighted square, so a replicated parameter counts once over the group."""
-    norm = getattr(engine.stage, "grad_norm", None)
+    norm = engine.stage.grad_norm
     if norm is not None:
         return norm.square(record_index(engine, record), record.layout, summed.float())
     return torch.linalg.vector_norm(summed.float(), dtype=torch.float32).square()
@@ -67,7 +67,7 @@ def _squares(engine: Any, record: Any, summed: torch.Tensor) -> torch.Tensor:
 def _norm_comm(engine: Any):
     """The ranks whose squares sum to the norm, as the step's; None when this rank holds
     it all."""
-    norm = getattr(engine.stage, "grad_norm", None)
+    norm = engine.stage.grad_norm
     if norm is not None:
         return norm.comm if norm.comm.world_size > 1 else None
     return engine.stage.comm if engine.stage.sharded else None

@@ -7,7 +7,10 @@ Note: one open engine per model
     taken by the first one's hooks, so each parameter records the stage that hooks it
     (``_zerotrain_stage``, a weak reference) and ``initialize`` closes the engine that
     still holds a model it is given (``open_stage_of``; DeepSpeed lets a second engine take
-    the same module), after which the closed engine refuses to train. After ``close()`` the
+    the same module), after which the closed engine refuses to train. What the engine
+    keeps about the stage (the parameters it claimed, whether it is closed, the engine, its
+    parameter watch) is a :class:`StageClaim` in a registry keyed weakly by the stage,
+    never attributes written onto the stage (Note "the contract" in stages/protocol.py). After ``close()`` the
     model can be given to a new engine at any stage: below stage 3 its parameters are whole
     and current; at stage 3 they stay partitioned, as after ``zero.Init``.
 
@@ -28,34 +31,80 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from torch import nn
 
 from ..errors import StateError
 
 from ..stages.base import Stage
+from ..stages.param_watch import ParameterWatch
 
 
-def claim(stage: Stage, module: nn.Module) -> None:
-    """Record on each parameter the stage whose hooks it carries (a weak reference: the
-    hooks keep the stage alive as long as they are installed, even when the engine was
-    dropped without ``close()``; a ``deepcopy`` of the module is not claimed)."""
-    stage.zerotrain_params = frozenset(id(p) for p in module.parameters())
-    stage.zerotrain_closed = False
+@dataclass(eq=False)
+class StageClaim:
+    """What the engine records about a stage whose hooks it installed on a model's
+    parameters (Note: one open engine per model).
+
+    ``params``: ids of the parameters claimed; ``closed``: the stage was closed (its engine
+    refuses, Note: a closed engine refuses); ``engine`` and ``param_watch``: weak
+    references to the engine that holds the stage and to its parameter watch (the watch
+    reaches the stage through stage 3's ``gather_external``, so a strong one would keep
+    the stage, this registry's key, alive for ever)."""
+
+    params: frozenset[int] = frozenset()
+    closed: bool = False
+    engine: Optional["weakref.ref[Any]"] = None
+    param_watch: Optional["weakref.ref[ParameterWatch]"] = None
+
+    def watch(self, param_watch: ParameterWatch) -> None:
+        """``param_watch`` is uninstalled when the stage is closed (:func:`close_stage`)."""
+        self.param_watch = weakref.ref(param_watch)
+
+    def holder(self) -> Any:
+        """The engine that holds the stage, or None when it is gone."""
+        return self.engine() if self.engine is not None else None
+
+
+# stage -> its claim; an entry goes with its stage (the hooks keep it alive while installed)
+_CLAIMS: "weakref.WeakKeyDictionary[Stage, StageClaim]" = weakref.WeakKeyDictionary()
+
+
+def claim(stage: Stage, module: nn.Module, *, engine: Any = None) -> StageClaim:
+    """Register the claim of ``engine``'s ``stage`` on ``module``'s parameters, and record
+    on each parameter the stage whose hooks it carries (a weak reference: the hooks keep
+    the stage alive as long as they are installed, even when the engine was dropped
+    without ``close()``; a ``deepcopy`` of the module is not claimed)."""
+    held = _CLAIMS[stage] = StageClaim(
+        frozenset(id(p) for p in module.parameters()),
+        engine=weakref.ref(engine) if engine is not None else None)
     ref = weakref.ref(stage)
     for p in module.parameters():
         p._zerotrain_stage = ref
+    return held
+
+
+def claim_of(stage: Optional[Stage]) -> Optional[StageClaim]:
+    """``stage``'s claim; None for a stage no engine claimed or closed (or None)."""
+    return _CLAIMS.get(stage) if stage is not None else None
+
+
+def is_closed(stage: Optional[Stage]) -> bool:
+    """Whether ``stage`` was closed (False for one never claimed nor closed)."""
+    held = claim_of(stage)
+    return held is not None and held.closed
 
 
 def close_stage(stage: Stage, module: nn.Module) -> None:
     """Close ``stage`` (offload resources, hooks, the engine's parameter watch) and release
     ``module``'s parameters; also when the engine object itself is gone."""
     stage.close()
-    watch = getattr(stage, "zerotrain_param_watch", None)
+    held = _CLAIMS.setdefault(stage, StageClaim())   # an engine that claimed nothing
+    watch = held.param_watch() if held.param_watch is not None else None
     if watch is not None:
         watch.uninstall()
-    stage.zerotrain_closed = True
+    held.closed = True
     for p in module.parameters():
         ref = getattr(p, "_zerotrain_stage", None)
         if ref is not None and ref() is stage:
@@ -68,8 +117,8 @@ def open_stage_of(module: nn.Module) -> Optional[tuple[str, Stage]]:
     for name, p in module.named_parameters():
         ref = getattr(p, "_zerotrain_stage", None)
         stage = ref() if ref is not None else None
-        if (stage is not None and not getattr(stage, "zerotrain_closed", True)
-                and id(p) in stage.zerotrain_params):
+        held = claim_of(stage)
+        if held is not None and not held.closed and id(p) in held.params:
             return name, stage
     return None
 
@@ -111,7 +160,7 @@ def refuse_when_closed(cls: type) -> type:
 def _guarded(name: str, method: Callable) -> Callable:
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
-        if getattr(self.__dict__.get("stage"), "zerotrain_closed", False):
+        if is_closed(self.__dict__.get("stage")):
             raise closed_error(f"{name}()")
         return method(self, *args, **kwargs)
     return guarded

@@ -97,9 +97,9 @@ class EngineReports:
         for reach, totals in now.items():
             diff = {op: n - before[reach].get(op, 0) for op, n in totals.items()}
             out[reach] = {op: n for op, n in diff.items() if n}
-        take = getattr(self.stage, "take_tensor_parallel_bytes", None)
-        if take is not None:   # tensor parallelism: the other dimension's bytes (tp/stage.py)
-            out["tensor_parallel"] = take()
+        taken = self.stage.take_tensor_parallel_bytes()
+        if taken is not None:   # tensor parallelism: the other dimension's bytes (tp/stage.py)
+            out["tensor_parallel"] = taken
         return out
 
 

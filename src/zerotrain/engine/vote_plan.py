@@ -186,11 +186,11 @@ def vote_plan_for(engine: Any) -> Optional[VotePlan]:
     tensor parallelism's norm, a traced world, one rank), else None."""
     from ..stages.gradient_norm import _reduce_with_fingerprint
     stage, comm = engine.stage, engine.comm
-    buckets = getattr(stage, "buckets", None)
+    buckets = stage.buckets
     if (stage.partitions_parameters or comm.world_size == 1 or not comm.carries_data
-            or getattr(stage, "comm", None) is not comm or buckets is None
+            or stage.comm is not comm
             or buckets.comm is not comm or buckets.reduce_scatter != comm.reduce_scatter
-            or getattr(stage, "data_parallel_world", None) not in (None, comm.world_size)):
+            or stage.data_parallel_world not in (None, comm.world_size)):
         return None
     sharded = stage.sharded
 
@@ -199,6 +199,6 @@ def vote_plan_for(engine: Any) -> Optional[VotePlan]:
                                  comm, sharded, cycle=False)
 
     return VotePlan(comm, decoy_step=decoy_step,
-                    enabled=lambda: getattr(stage, "grad_norm", None) is None,
+                    enabled=lambda: stage.grad_norm is None,
                     describe=engine._describe_vote_key,
                     position=lambda: engine.micro_steps)

@@ -8,7 +8,7 @@ stages have always imported them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -19,9 +19,10 @@ from ..offload import CopyLedger, DeviceUpdater, HostUpdater, Storage
 from ..offload.traffic import HostTraffic
 from ..core.records import FROZEN, ShardRecord  # noqa: F401 (re-exported: the stages' old home of both)
 from .bucket_launch import GradientBuckets
-from .gradient_norm import NormSpan, prepare_gradients
+from .gradient_norm import prepare_gradients
 # re-exported: the engine, compile.py and the stages import the protocol from here
-from .protocol import CompileTarget, Stage, StepOutcome  # noqa: F401
+from .protocol import CompileTarget, NormSpan, Stage, StepOutcome  # noqa: F401
+from ..tp.split import SplitSpec
 
 
 @dataclass(slots=True)
@@ -69,7 +70,11 @@ class BucketedStage:
         (``updater.stream``); the step then only sums the squares and waits for the
         copies it needs, record by record, in the order the records completed. The
         buckets call :meth:`record_reduced`, a bound method rather than an object holding
-        the norm, because ``grad_norm`` may be set after construction (tensor parallelism).
+        the norm, because ``grad_norm`` may be handed over after construction
+        (:meth:`use_grad_norm`: tensor parallelism wraps the stage once it is built).
+
+    The capabilities only some stages have get their defaults here (Note "the contract"
+    in ``protocol.py``): each answers as a stage without the capability would.
     """
 
     # set by each subclass (the docstring above), declared here for the shared methods
@@ -87,8 +92,61 @@ class BucketedStage:
 
     _boundary = True
     data_parallel_world: Optional[int] = None   # ranks averaged over, if not comm's (MiCS)
-    grad_norm: Optional[NormSpan] = None   # the norm over a wider group (tensor parallel)
+    _grad_norm: Optional[NormSpan] = None   # the norm over a wider group (tensor parallel)
     arrivals: RecordArrivals
+
+    # ------------------------------------------------------------------ the contract's defaults
+    @property
+    def grad_norm(self) -> Optional[NormSpan]:
+        """The norm over a wider group than ``comm`` (tensor parallelism); None: own."""
+        return self._grad_norm
+
+    def use_grad_norm(self, norm: NormSpan) -> None:
+        """Take the gradient norm over ``norm``'s group from now on."""
+        self._grad_norm = norm
+
+    @property
+    def data_parallel_world_size(self) -> Optional[int]:
+        """None: the engine counts its data-parallel ranks itself."""
+        return None
+
+    @property
+    def tensor_parallel_world_size(self) -> int:
+        return 1
+
+    @property
+    def gather_external(self) -> Optional[Callable[[nn.Parameter], None]]:
+        """None: parameters are whole between uses (stage 3 gathers)."""
+        return None
+
+    def unused_parameters(self) -> Optional[list[str]]:
+        """None: this stage does not track which parameters got a gradient."""
+        return None
+
+    def agree_on_call(self, call: str) -> None:
+        """Nothing to agree on before ``call`` (stage 3 on the host sends a header)."""
+
+    def empty_partition_cache(self) -> None:
+        """Nothing is gathered between steps (stage 3 releases its units)."""
+
+    def forward_hook_handles(self) -> list[Any]:
+        """No module hooks gather in forward (stage 3's do)."""
+        return []
+
+    def take_tensor_parallel_bytes(self) -> Optional[dict[str, int]]:
+        """None: no tensor-parallel collectives."""
+        return None
+
+    def parameter_records(self) -> list[ShardRecord]:
+        """The module holds what the records describe: the shard records."""
+        return self.shard_records()
+
+    def split_of(self, name: str) -> Optional[tuple[SplitSpec, int]]:
+        """None: every parameter is whole on every rank of the module."""
+        return None
+
+    def publish_parameter_records(self) -> None:
+        self.publish_parameters()
 
     @property
     def reduces_every_micro_step(self) -> bool:

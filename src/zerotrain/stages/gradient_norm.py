@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -20,19 +20,7 @@ from ..comm.trail import first_difference
 from ..errors import RankDivergenceError
 from ..offload import Gradients
 from ..core.records import ShardRecord
-from .protocol import StepOutcome
-
-
-class NormSpan(Protocol):
-    """How the gradient norm spans more than the stage's own group (tensor parallelism:
-    ``tp/norm.py``): ``square`` is record ``index``'s contribution to the squared norm
-    (parameters replicated over the other dimension weighted so that the sum over ``comm``
-    counts them once), and ``comm`` the group the squares are summed over."""
-
-    comm: Communicator
-
-    def square(self, index: int, layout, shard: torch.Tensor) -> torch.Tensor:
-        """fp32 scalar tensor (1 element)."""
+from .protocol import NormSpan, StepOutcome  # noqa: F401 (NormSpan: its old home)
 
 
 @dataclass(frozen=True, slots=True)

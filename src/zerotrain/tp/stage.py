@@ -6,7 +6,10 @@ The stage itself (stages 0-2, ``stages/zero12.py``, or stage 3, ``stages/zero3/`
 parameters that are simply smaller; :class:`TensorParallelStage` adds what spans both
 dimensions: the gradient norm (``norm.py``), checkpoint records with the tensor-parallel
 dimension gathered (``view.py``), full copies for export, and the per-dimension report.
-Everything else is the stage's own (``__getattr__``).
+It implements the stage protocol (``stages/protocol.py``) member by member: what it adds
+nothing to is delegated to the inner stage by name, never forwarded implicitly, and the
+norm is handed over through the inner stage's ``use_grad_norm`` (Note "the contract" in
+``stages/protocol.py``).
 
 Note: slice or whole
     Two views of the same state exist under tensor parallelism. Checkpoints see full
@@ -25,11 +28,12 @@ Note: slice or whole
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from ..comm import Communicator
 from ..core.records import ShardRecord
 from .apply import TensorParallelPlan
 from .norm import TensorParallelNorm
@@ -49,12 +53,9 @@ class TensorParallelStage:
         self._tp_mark: dict[str, int] = {}
         records = stage.shard_records()
         norm_comm = self.mesh.world if stage.sharded else self.mesh.tp
-        stage.grad_norm = TensorParallelNorm(
+        stage.use_grad_norm(TensorParallelNorm(
             norm_comm, self.mesh.tp_size,
-            [[plan.spec_of(n) is not None for n in r.names] for r in records])
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+            [[plan.spec_of(n) is not None for n in r.names] for r in records]))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -64,6 +65,127 @@ class TensorParallelStage:
     @property
     def tensor_parallel_world_size(self) -> int:
         return self.mesh.tp_size
+
+    # ------------------------------------------------------------------ the inner stage's
+    # (delegated by name: the inner stage works over ``mesh.dp`` and needs nothing more)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.inner.optimizer
+
+    @property
+    def partitions_parameters(self) -> bool:
+        return self.inner.partitions_parameters
+
+    @property
+    def comm(self) -> Communicator:
+        return self.inner.comm
+
+    @property
+    def sharded(self) -> bool:
+        return self.inner.sharded
+
+    @property
+    def data_parallel_world(self) -> Optional[int]:
+        return self.inner.data_parallel_world
+
+    @property
+    def grad_norm(self) -> Any:
+        return self.inner.grad_norm
+
+    def use_grad_norm(self, norm: Any) -> None:
+        self.inner.use_grad_norm(norm)
+
+    @property
+    def buckets(self) -> Any:
+        return self.inner.buckets
+
+    def gradient_overwritten(self, g: int) -> None:
+        self.inner.gradient_overwritten(g)
+
+    @property
+    def gather_external(self) -> Optional[Callable[[nn.Parameter], None]]:
+        return self.inner.gather_external
+
+    def unused_parameters(self) -> Optional[list[str]]:
+        return self.inner.unused_parameters()
+
+    def agree_on_call(self, call: str) -> None:
+        self.inner.agree_on_call(call)
+
+    def empty_partition_cache(self) -> None:
+        self.inner.empty_partition_cache()
+
+    def forward_hook_handles(self) -> list[Any]:
+        return self.inner.forward_hook_handles()
+
+    def begin_backward(self, boundary: bool, *, local: bool = False) -> None:
+        self.inner.begin_backward(boundary, local=local)
+
+    def reduce_local(self, boundary: bool) -> None:
+        self.inner.reduce_local(boundary)
+
+    @property
+    def delays_update(self) -> bool:
+        return self.inner.delays_update
+
+    @property
+    def reductions_this_window(self) -> int:
+        return self.inner.reductions_this_window
+
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        return self.inner.reduces_every_micro_step
+
+    def finish_backward(self) -> None:
+        self.inner.finish_backward()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
+        return self.inner.tensors_by_category()
+
+    def settle(self, *, before_step: bool = False) -> None:
+        self.inner.settle(before_step=before_step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def take_timings(self) -> dict[str, float]:
+        return self.inner.take_timings()
+
+    @property
+    def copy_ledger(self) -> Any:   # offload's CopyLedger (a row tp does not import)
+        return self.inner.copy_ledger
+
+    @property
+    def host_traffic(self) -> Any:   # offload's HostTraffic
+        return self.inner.host_traffic
+
+    def memory_peaks(self) -> dict[str, int]:
+        return self.inner.memory_peaks()
+
+    def compile_targets(self, module: nn.Module) -> list[Any]:
+        return self.inner.compile_targets(module)
+
+    def movable_states(self, resident_only: bool = True) -> dict[str, list[torch.Tensor]]:
+        return self.inner.movable_states(resident_only)
+
+    def state_views(self) -> list[torch.Tensor]:
+        return self.inner.state_views()
+
+    # stage 3's own, which DeepSpeed's ``parameter_offload`` reaches
+    # (``engine/parameter_offload.py``; an AttributeError below stage 3, as before)
+    @property
+    def module(self) -> nn.Module:
+        return self.inner.module
+
+    @property
+    def scheduler(self) -> Any:
+        return self.inner.scheduler
+
+    def reinstall_forward_hooks(self) -> None:
+        self.inner.reinstall_forward_hooks()
 
     # ------------------------------------------------------------------ training
     def step(self, *, grad_scale: float, clip: float):

@@ -155,7 +155,11 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
         """A unit is used (Note "trace and prefetch" in scheduler.py): into the step's trail."""
         self.comm.ledger.trail.note("use", None, self._uses[index][backward])
 
-    def gather_external(self, param: nn.Parameter) -> None:
+    @property
+    def gather_external(self) -> Callable[[nn.Parameter], None]:
+        return self.pin_external
+
+    def pin_external(self, param: nn.Parameter) -> None:
         """``param``, released, is read during the model's forward by a module its unit's
         plan does not know (Note "external parameters at stage 3" in
         ``stages/param_watch.py``): gather its unit and keep it until backward ends."""

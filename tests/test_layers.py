@@ -86,7 +86,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
              ("parallel_state_sp", "groups"), ("__init__",)),
     "stages": (("protocol",), ("gradient_norm", "bucket_launch"), ("base", "buckets"),
                ("zero12", "zero3"), ("factory", "param_watch"), ("__init__",)),
-    "engine": (("full_params", "parameter_offload", "vote_plan"), ("group_gradients",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
+    "engine": (("full_params", "parameter_offload", "vote_plan", "window"), ("group_gradients",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused",
                 "autocast", "sequence"),
                ("api", "reports", "persistence"), ("engine",), ("resume",), ("build",),

@@ -1,5 +1,6 @@
 """The engine's accumulation window (engine/window.py): its transition table, that only the
 window writes its fields, and single-process engine runs through its phases."""
+import ast
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,190 @@ def test_the_window_counts_backwards_and_the_update_resets_them():
     assert window.phase is Phase.STEPPED and window.updated_by == "engine.step()"
     assert (window.backward_in_window, window.window_backwards, window.step_applied) == (
         False, 0, True)
+# ---------------------------------------------------------------------- one writer
+_FIELDS = frozenset(s for s in AccumulationWindow.__slots__ if not s.startswith("_")) | {
+    "coalescing", "in_step"}
+# the engine's former names of the same fields
+_OLD = frozenset({"_step_applied", "_lr_step_due", "_backward_in_window", "_updated_by",
+                  "_drop_grads_at_backward", "inside_no_sync_ctxt", "_local_backwards",
+                  "_boundary_override", "_coalescing", "_in_step", "_window_backwards",
+                  "_micro_backwards", "_last_outcome", "_is_gradient_accumulation_boundary"})
+
+
+def _names_the_window(node: ast.AST) -> bool:
+    """``<x>.accumulation_window`` or a name ``window``: ``phase`` is a common attribute
+    name elsewhere (planner, buckets), so only the window's is checked."""
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return name in ("accumulation_window", "window")
+
+
+def _assigned_attributes(tree: ast.AST):
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and (sub.attr != "phase"
+                                                       or _names_the_window(sub.value)):
+                    yield sub.attr, node.lineno
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr" and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)):
+            yield node.args[1].value, node.lineno
+
+
+def test_only_the_window_assigns_the_window_fields():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "engine" / "window.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{path.relative_to(SRC)}:{line} assigns .{name}"
+                  for name, line in _assigned_attributes(tree) if name in _FIELDS | _OLD]
+    assert found == []
+
+
+def test_the_checker_sees_an_assignment():
+    tree = ast.parse("engine.accumulation_window.backward_in_window = True\n"
+                     "self._coalescing = False\nsetattr(w, 'updated_by', None)\n"
+                     "window.phase = None\nplan.phase = 'gather'\n")
+    assert sorted(name for name, _ in _assigned_attributes(tree)) == [
+        "_coalescing", "accumulation_window", "backward_in_window", "phase", "updated_by"]
+
+
+# ---------------------------------------------------------------------- engine runs
+def _engine(stage, *, ga=1, **extra):
+    import zerotrain
+    import reference as R
+    model = R.make_model()
+    engine, *_ = zerotrain.initialize(model=model, config=R.engine_config(
+        stage=stage, ga=ga, **extra))
+    return engine, model
+
+
+def _batch(i):
+    import reference as R
+    return R.micro_batch(0, 0, i)
+
+
+def _runs(rank, world):
+    """Each loop's phases, as names, where the window is read."""
+    import reference as R
+    out = {}
+
+    # managed, ga 2; a step from a backward hook is refused, naming the phase
+    engine, _ = _engine(1, ga=2)
+    phases, refused = [], []
+
+    def hook(grad):
+        phases.append(engine.accumulation_window.phase.name)
+        try:
+            engine.step()
+        except StateError as exc:
+            refused.append(str(exc))
+        return grad
+    for i in range(2):
+        loss = engine(*_batch(i))
+        loss.register_hook(hook)
+        engine.backward(loss)
+        phases.append(engine.accumulation_window.phase.name)
+        engine.step()
+        phases.append((engine.accumulation_window.phase.name, engine.was_step_applied()))
+    out["managed"] = (phases, refused[0].split(":")[0], engine.global_steps)
+    engine.close()
+
+    # unmanaged: two backwards, one step ends the window; the boundary only inside step()
+    engine, _ = _engine(1, ga=2, managed_gradient_accumulation=False)
+    for i in range(2):
+        engine.backward(engine(*_batch(i)))
+    before = engine.is_gradient_accumulation_boundary()
+    engine.step()
+    out["unmanaged"] = (before, engine.accumulation_window.phase.name,
+                        engine.was_step_applied(), engine.global_steps)
+    engine.close()
+
+    # no_sync: a local backward, then the window's last one outside reduces both
+    engine, _ = _engine(1, ga=2)
+    with engine.no_sync():
+        engine.backward(engine(*_batch(0)))
+        inside = (engine.inside_no_sync_ctxt, engine.accumulation_window.local_backwards)
+    engine.step()
+    engine.backward(engine(*_batch(1)))
+    left = engine.accumulation_window.local_backwards
+    engine.step()
+    out["no_sync"] = (inside, engine.inside_no_sync_ctxt, left,
+                      engine.accumulation_window.phase.name)
+    engine.close()
+
+    # coalesce_grad_reduction at stage 2: the block's phase, back to MICRO_STEP at its exit
+    engine, _ = _engine(2)
+    with engine.coalesce_grad_reduction():
+        for i in range(2):
+            engine.backward(engine(*_batch(i)))
+        in_block = engine.accumulation_window.phase.name
+    after = engine.accumulation_window.phase.name
+    engine.step()
+    out["coalesce"] = (in_block, after, engine.accumulation_window.phase.name,
+                       engine.global_steps)
+    engine.close()
+
+    # optimizer.step() instead of engine.step(); engine.step() after it keeps its refusal
+    engine, _ = _engine(2)
+    engine.backward(engine(*_batch(0)))
+    engine.optimizer.step()
+    stepped = (engine.accumulation_window.phase.name, engine.accumulation_window.updated_by)
+    try:
+        engine.step()
+        second = None
+    except StateError as exc:
+        second = str(exc).split(":")[0]
+    out["optimizer_step"] = (stepped, second, engine.global_steps)
+    engine.close()
+
+    # a direct backward that fails: no_sync() after it finds it over (FAILED), and the
+    # next step ends it and updates
+    engine, model = _engine(1)
+    fail = [True]
+    model.inp.register_forward_hook(
+        lambda m, args, y: R.RaiseInBackward.apply(y) if fail[0] else y)
+    raised = False
+    try:
+        engine(*_batch(0)).backward()
+    except RuntimeError as exc:
+        raised = "injected" in str(exc)
+    with engine.no_sync():
+        stuck = engine.accumulation_window.phase.name
+    engine.step()
+    fail[0] = False
+    out["failed_direct"] = (raised, stuck, engine.accumulation_window.phase.name,
+                            engine.was_step_applied())
+    # and a failing engine.backward is ended at once
+    fail[0] = True
+    try:
+        engine.backward(engine(*_batch(1)))
+    except RuntimeError:
+        pass
+    fail[0] = False
+    ended = engine.accumulation_window.phase.name
+    engine.step()
+    out["failed_backward"] = (ended, engine.accumulation_window.phase.name)
+    engine.close()
+    return out
+
+
+@pytest.mark.slow
+def test_engine_loops_move_the_window_through_its_phases(worlds):
+    out, = worlds.run(1, _runs)
+    phases, refused, steps = out["managed"]
+    assert phases == ["BACKWARD", "MICRO_STEP", ("MICRO_STEP", False),
+                      "BACKWARD", "MICRO_STEP", ("STEPPED", True)]
+    assert refused == "engine.step() during a backward (phase BACKWARD)" and steps == 1
+    assert out["unmanaged"] == (False, "STEPPED", True, 1)
+    assert out["no_sync"] == ((True, 1), False, 0, "STEPPED")
+    assert out["coalesce"] == ("COALESCING", "MICRO_STEP", "STEPPED", 1)
+    assert out["optimizer_step"] == (("STEPPED", "optimizer.step()"),
+                                     "engine.step() after optimizer.step() with no backward "
+                                     "between", 0)
+    assert out["failed_direct"] == (True, "FAILED", "STEPPED", True)
+    assert out["failed_backward"] == ("MICRO_STEP", "STEPPED")

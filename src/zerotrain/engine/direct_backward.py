@@ -107,12 +107,16 @@ class DirectBackward:
         self._running = False
         self._epilogue()
 
-    def take_unfinished(self) -> bool:
+    def raised(self) -> bool:
         """Whether a direct backward ran the prologue and never reached its epilogue: it
         raised, and autograd runs queued callbacks only when the whole backward completes
-        (Note: a direct backward that raises). Clears the mark. Inside a running backward
-        (a forward from a backward hook) nothing is unfinished yet."""
-        if not self._running or _in_backward():
+        (Note: a direct backward that raises). Inside a running backward (a forward from a
+        backward hook) nothing is unfinished yet."""
+        return self._running and not _in_backward()
+
+    def take_unfinished(self) -> bool:
+        """:meth:`raised`, and clears the mark."""
+        if not self.raised():
             return False
         self._running = False
         return True

@@ -38,6 +38,7 @@ from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
 from .accumulation import EngineAccumulation
 from .vote_plan import vote_plan_for
+from .window import AccumulationWindow
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
 from .reports import EngineReports, reach_totals
@@ -90,18 +91,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._last_outcome: Optional[StepOutcome] = None
-        self._step_applied = False   # by the latest step() (False between boundaries)
-        self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
-        self._backward_in_window = False
-        self._updated_by: Optional[str] = None   # which call took the last update
-        self._drop_grads_at_backward = False   # optimizer.zero_grad() (optimizer_views.py)
-        self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
-        self._local_backwards = 0          # no_sync backwards no reduction has taken yet
         self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue,
                                       _direct_backward_refusal(config))
-        self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
-        self._coalescing = False   # inside coalesce_grad_reduction()
+        # Note "the window's phases" in window.py: its transitions are its only writer
+        self.accumulation_window = AccumulationWindow(backward_raised=self._direct.raised)
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, reach_totals(comm.ledger))
@@ -169,12 +162,15 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 scaled = scaled / self.gradient_accumulation_steps()
             scaled = self.loss_scaler.scale(scaled)
-            self._backward_prologue()
+            self._backward_prologue("engine.backward()")
             try:
                 with self._direct.managed():
                     scaled.backward(retain_graph=retain_graph)
-            except Exception as exc:   # Note "a failed backward" in comm/trail.py
-                if from_a_vote(exc):   # every rank stopped at the vote: launch nothing more
+            except BaseException as exc:   # Note "a failed backward" in comm/trail.py
+                self.accumulation_window.fail_backward()
+                if not isinstance(exc, Exception) or from_a_vote(exc):
+                    # an interrupt, or every rank stopped at the vote: launch nothing more
+                    self.accumulation_window.abandon_backward()
                     raise
                 self.comm.read_deferred()   # a vote's verdict before this rank's own error
                 self.comm.ledger.trail.note("backward failed", None, type(exc).__name__)
@@ -186,25 +182,31 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
     def _end_failed_direct_backward(self) -> None:
         """A direct ``loss.backward()`` that raised: end it now as ``backward`` ends a failed
         one (Note "a direct backward that raises" in direct_backward.py)."""
-        if not self._direct.take_unfinished() or self.comm.stopped_by_vote is not None:
+        if not self._direct.take_unfinished():
+            return
+        self.accumulation_window.fail_backward("loss.backward()")
+        if self.comm.stopped_by_vote is not None:
+            self.accumulation_window.abandon_backward()
             return
         self.comm.read_deferred()   # a vote's verdict before this rank's own failure
         self.comm.ledger.trail.note("backward failed", None, "loss.backward()")
         self._backward_epilogue()   # ended as a backward (its gaps as zeros)
 
-    def _backward_prologue(self) -> float:
+    def _backward_prologue(self, call: str = "loss.backward()") -> float:
         """Before a backward's gradients exist: tell the stage whether it ends the window.
         Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
         accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
         moved_states.refuse_while_away(self._moved, "backward()")
         if not self.stage.partitions_parameters:   # stage 3 notes each unit backward uses
             self.comm.ledger.trail.note("backward", None, "engine backward")   # comm/trail.py
-        if self._drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
+        window = self.accumulation_window
+        if window.drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
             self.zero_grad()
         self._agree_on_window("backward")   # before it reduces (Notes in accumulation.py)
         with self._votes_first():   # a refused second backward: the vote's verdict first
             self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
-                                      local=self.inside_no_sync_ctxt)
+                                      local=window.inside_no_sync)
+        window.begin_backward(call)
         return 1.0 / self.gradient_accumulation_steps()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -222,33 +224,31 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
     def _backward_epilogue(self) -> None:
         """After every gradient of the backward has arrived."""
         self.stage.finish_backward()
-        self._backward_in_window = True
-        self._window_backwards += 1
-        self._micro_backwards += 1   # Note "backwards that reduce" in accumulation.py
-        self._updated_by = None
-        local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
-        if local or boundary:   # a boundary backward outside no_sync reduces them all
-            self._local_backwards = self._local_backwards + 1 if local else 0
+        self.accumulation_window.end_backward(boundary=self.is_gradient_accumulation_boundary())
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""
         self._refuse_without_optimizer("step()")
         moved_states.refuse_while_away(self._moved, "step()")
         self._end_failed_direct_backward()
-        if self._coalescing:
+        window = self.accumulation_window
+        if window.coalescing:
             raise ContextMisuseError("engine.step() inside coalesce_grad_reduction() (a no_sync "
                              "block): leave the block first, its exit reduces the gradients")
-        self._step_applied = False
-        if self._updated_by == "optimizer.step()" and not self._backward_in_window:
+        window.begin_step()   # the boundary while it runs (Note "unmanaged accumulation")
+        if window.updated_by == "optimizer.step()" and not window.backward_in_window:
+            window.end_step()
             raise StateError("engine.step() after optimizer.step() with no backward between: "
                              "optimizer.step() already took this window's update; call one "
                              "of engine.step() and optimizer.step() per window, not both")
         with self._timers.time("step"):
             try:
-                with self._step_owns_boundary():   # Note "unmanaged accumulation"
+                try:
                     boundary = self.is_gradient_accumulation_boundary()
                     if boundary:
                         self._take_model_step(lr_kwargs or {})
+                finally:
+                    window.end_step()
             except (NonFiniteGradientError, UnusedParameterError):   # the window is over
                 self._end_micro_step(True)
                 raise
@@ -272,7 +272,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             self.tput_timer.start()
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
-        self._micro_backwards = 0
+        self.accumulation_window.end_micro_step()
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
@@ -281,7 +281,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         if outcome.applied:
             if self.lr_scheduler is not None:
                 if self.stage.delays_update:  # the update still reads the current lr
-                    self._lr_step_due = lr_kwargs
+                    self.accumulation_window.set_lr_step_due(lr_kwargs)
                 else:
                     self._lr_watch.step(self.lr_scheduler, **lr_kwargs)
         error = None if outcome.applied else self._skip(outcome)
@@ -297,20 +297,21 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         it: reduce what is left, unscale and clip, check overflow, update, clear the
         gradients, adjust the fp16 loss scale. ``engine.step()`` at a boundary and a
         direct ``optimizer.step()`` (engine/optimizer_views.py) both run it."""
+        window = self.accumulation_window
         self._agree_on_window("update")   # before what one rank alone may refuse
         with self._votes_first():   # this rank's refusals read the vote first
-            if not self._backward_in_window:
-                taken = (f"; {self._updated_by} already took this window's update: call one "
+            if not window.backward_in_window:
+                taken = (f"; {window.updated_by} already took this window's update: call one "
                          "of engine.step() and optimizer.step() per window, not both"
-                         if self._updated_by not in (None, call) else "")
+                         if window.updated_by not in (None, call) else "")
                 raise StateError(f"{call} reached an accumulation boundary without any "
                                  "engine.backward(loss) or loss.backward() since the last "
                                  f"update{taken}")
-            if not (self.managed_gradient_accumulation() or self.inside_no_sync_ctxt):
+            if not (self.managed_gradient_accumulation() or window.inside_no_sync):
                 self._reduce_window()   # the caller's step ends the window (accumulation.py)
-            if self.inside_no_sync_ctxt or self._local_backwards:
-                where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
-                         f"after {self._local_backwards} backward(s) inside engine.no_sync() "
+            if window.inside_no_sync or window.local_backwards:
+                where = ("inside engine.no_sync()" if window.inside_no_sync else
+                         f"after {window.local_backwards} backward(s) inside engine.no_sync() "
                          "and none outside it")
                 raise StateError(f"{call} at an accumulation boundary {where}: this "
                                  "window's gradients were not reduced over ranks, so the "
@@ -323,16 +324,12 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 refuse_unused_parameters(self.stage, self.comm, self.global_steps + 1)
             except UnusedParameterError:
                 self.stage.zero_grad()
-                self._backward_in_window = False
-                self._window_backwards = self._micro_backwards = 0
+                window.drop_window(call)
                 raise
+        window.expect("took_update", call)   # before the update (Note in window.py)
         outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
                                   clip=self.config.gradient_clipping)
-        self._last_outcome = outcome
-        self._step_applied = outcome.applied
-        self._backward_in_window = False
-        self._window_backwards = self._micro_backwards = 0
-        self._updated_by = call
+        window.took_update(call, outcome)
         self.loss_scaler.update(overflow=not outcome.applied)
         return outcome
 
@@ -343,9 +340,9 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         parameters (and, with ``offload_optimizer.speculative``, no host step taken ahead
         of ``step()``)."""
         self.stage.settle(before_step=before_step)
-        if self._lr_step_due is not None:
-            due, self._lr_step_due = self._lr_step_due, None
-            self._lr_watch.step(self.lr_scheduler, **due)
+        if self.accumulation_window.lr_step_due is not None:
+            due = self.accumulation_window.take_lr_step_due()
+            self._lr_watch.step(self.lr_scheduler, **(due or {}))
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         if not mode and "stage" in self.__dict__:
@@ -402,9 +399,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine does this after every update)."""
         self.stage.zero_grad()
-        self._backward_in_window = False
-        self._local_backwards = 0
-        self._drop_grads_at_backward = False
+        self.accumulation_window.zero_grad()
 
     def _resume_after_load(self, counters: Optional[dict]) -> None:
         """After a checkpoint load: its counters, and a fresh accumulation window."""
@@ -412,20 +407,17 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             for name, value in counters.items():
                 setattr(self, name, value)
         self.stage.zero_grad()
-        self._backward_in_window = False
-        self._local_backwards = 0
-        self._last_outcome = None
-        self._step_applied = False
-        self._window_backwards = self._micro_backwards = 0
+        self.accumulation_window.reset_after_load()
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
+        override = self.accumulation_window.boundary_override
+        if override is not None:
+            return override
         if not self.managed_gradient_accumulation():   # the caller's step() is the boundary
-            return self._in_step
+            return self.accumulation_window.in_step
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -437,14 +429,20 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             raise TypeError(f"set_gradient_accumulation_boundary() takes a bool, got "
                             f"{type(is_boundary).__name__}")
         self._refuse_unmanaged("set_gradient_accumulation_boundary()")
-        self._boundary_override = is_boundary   # the next backward() tells the stage
+        self.accumulation_window.set_boundary_override(is_boundary)   # the next backward
 
     @property
     def _is_gradient_accumulation_boundary(self) -> Optional[bool]:
         """The override ``set_gradient_accumulation_boundary`` set (None: the engine counts
         micro-steps), under DeepSpeed's attribute name, which code saving and restoring
         the caller's choice reads."""
-        return self._boundary_override
+        return self.accumulation_window.boundary_override
+
+    @property
+    def inside_no_sync_ctxt(self) -> bool:
+        """Inside ``no_sync()`` or ``coalesce_grad_reduction()`` (DeepSpeed's attribute name;
+        Note "no_sync" in accumulation.py)."""
+        return self.accumulation_window.inside_no_sync
 
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""

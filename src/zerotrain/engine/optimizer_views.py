@@ -143,7 +143,8 @@ class OptimizerViews:
                 "micro_step_id is a ZeRO stage 3 attribute here (the backwards reduced into "
                 f"the partitioned gradients since the last update); this engine runs stage "
                 f"{engine.zero_optimization_stage()}")
-        return 0 if engine._drop_grads_at_backward else engine.stage.reductions_this_window
+        return (0 if engine.accumulation_window.drop_grads_at_backward
+                else engine.stage.reductions_this_window)
 
     def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
         """DeepSpeed's stage-3 ``{group index: {parameter index: fp32 chunk}}``: this rank's
@@ -158,16 +159,17 @@ class OptimizerViews:
         middle of a window ``engine.step()`` is counting, where it would drop that window's
         first micro-steps (a loop that zeroes before every micro-batch)."""
         engine = self.engine()
+        window = engine.accumulation_window
         steps = engine.gradient_accumulation_steps()
-        if (engine._boundary_override is None and engine.micro_steps % steps
-                and engine._backward_in_window and engine.managed_gradient_accumulation()):
+        if (window.boundary_override is None and engine.micro_steps % steps
+                and window.backward_in_window and engine.managed_gradient_accumulation()):
             raise StateError(
                 f"optimizer.zero_grad() at micro step {engine.micro_steps % steps + 1} of "
                 f"{steps} of an accumulation window would drop the gradients of its first "
                 f"{engine.micro_steps % steps} micro-step(s) (DeepSpeed drops them too); "
                 "engine.step() clears the gradients after each update: remove the call, or "
                 "call engine.zero_grad() to drop them on purpose")
-        engine._drop_grads_at_backward = True
+        window.request_drop_at_backward()
 
     def step(self) -> None:
         """The engine's update without ``engine.step()`` (Note: optimizer.step() without
@@ -176,15 +178,16 @@ class OptimizerViews:
         call = "optimizer.step()"
         engine._refuse_without_optimizer(call)
         moved_states.refuse_while_away(engine._moved, call)
-        if engine._coalescing:
+        window = engine.accumulation_window
+        if window.coalescing:
             raise StateError(f"{call} inside coalesce_grad_reduction() (a no_sync block): "
                              "leave the block first, its exit reduces the gradients")
         steps = engine.gradient_accumulation_steps()
-        if not engine._backward_in_window:   # nothing to step: _update names it
+        if not window.backward_in_window:   # nothing to step: _update names it
             engine._update(call)
         # unmanaged accumulation: the call ends the caller's window, _update reduces it
         managed = engine.managed_gradient_accumulation()
-        if managed and engine._boundary_override is None and engine.micro_steps % steps:
+        if managed and window.boundary_override is None and engine.micro_steps % steps:
             raise StateError(
                 f"{call} in the middle of an accumulation window that engine.step() is "
                 f"counting (micro step {engine.micro_steps % steps + 1} of {steps}): the "

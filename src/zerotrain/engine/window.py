@@ -137,16 +137,16 @@ class AccumulationWindow:
         """``step()`` is running: in unmanaged mode, the accumulation boundary."""
         return self.phase in (Phase.BOUNDARY, Phase.UPDATED)
 
-    def allows(self, event: str) -> bool:
-        """Whether ``event`` may come now (the table; no probe, nothing changes)."""
-        return (self.phase, event) in TRANSITIONS
+    def expect(self, event: str, call: str) -> None:
+        """Raise StateError now where ``event`` could not come next (before work that the
+        event would only record afterwards); a backward found over moves to FAILED."""
+        self._next(event, call)
 
-    def _move(self, event: str, call: str) -> None:
-        """The one gate of every write: the table's next phase, or StateError."""
+    def _next(self, event: str, call: str) -> Phase:
         if (self.phase in (Phase.BACKWARD, Phase.BLOCK_BACKWARD)
                 and event not in ("end_backward", "fail_backward")
                 and self._backward_raised is not None and self._backward_raised()):
-            self.phase = TRANSITIONS[(self.phase, "fail_backward")]
+            self.phase = TRANSITIONS[(self.phase, "fail_backward")]   # the probe's transition
         after = TRANSITIONS.get((self.phase, event))
         if after is None:
             allowed = ", ".join(p.name for p in Phase if (p, event) in TRANSITIONS)
@@ -155,7 +155,11 @@ class AccumulationWindow:
                 f"window takes it only in phase {allowed}; a call from a hook or callback "
                 "while the engine runs a backward or a step is the usual cause "
                 "(Note \"the window's phases\" in zerotrain/engine/window.py)")
-        self.phase = after
+        return after
+
+    def _move(self, event: str, call: str) -> None:
+        """The one gate of every write: the table's next phase, or StateError."""
+        self.phase = self._next(event, call)
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, call: str = "engine.backward()") -> None:

@@ -286,6 +286,30 @@ def _runs(rank, world):
     engine.step()
     out["failed_backward"] = (ended, engine.accumulation_window.phase.name)
     engine.close()
+
+    # optimizer.step() after a failed direct backward ends it first, as engine.step() does
+    engine, model = _engine(2)
+    fail = [True]
+    model.inp.register_forward_hook(
+        lambda m, args, y: R.RaiseInBackward.apply(y) if fail[0] else y)
+    try:
+        engine(*_batch(0)).backward()
+    except RuntimeError:
+        fail[0] = False
+    engine.optimizer.step()
+    out["failed_then_optimizer_step"] = (engine.accumulation_window.phase.name,
+                                         engine.was_step_applied())
+    engine.close()
+
+    # a Trainer's short last window: the next backward ends it, and step() updates
+    engine, _ = _engine(1, ga=4)
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    engine.end_window_at_next_backward()
+    engine.backward(engine(*_batch(1)))
+    engine.step()
+    out["short_window"] = (engine.micro_steps, engine.global_steps, engine.was_step_applied())
+    engine.close()
     return out
 
 
@@ -304,3 +328,5 @@ def test_engine_loops_move_the_window_through_its_phases(worlds):
                                      "between", 0)
     assert out["failed_direct"] == (True, "FAILED", "STEPPED", True)
     assert out["failed_backward"] == ("MICRO_STEP", "STEPPED")
+    assert out["failed_then_optimizer_step"] == ("STEPPED", True)
+    assert out["short_window"] == (4, 1, True)

@@ -254,6 +254,44 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 raise
             self._end_micro_step(boundary)
 
+    def optimizer_step(self) -> None:
+        """What a direct ``optimizer.step()`` runs: the engine's update without
+        ``engine.step()``, refused where it would train on the wrong gradients (Note
+        "optimizer.step() without engine.step()" in optimizer_views.py). Collective."""
+        call = "optimizer.step()"
+        self._refuse_without_optimizer(call)
+        moved_states.refuse_while_away(self._moved, call)
+        self._end_failed_direct_backward()   # as engine.step() (direct_backward.py)
+        window = self.accumulation_window
+        if window.coalescing:
+            raise StateError(f"{call} inside coalesce_grad_reduction() (a no_sync block): "
+                             "leave the block first, its exit reduces the gradients")
+        steps = self.gradient_accumulation_steps()
+        if not window.backward_in_window:   # nothing to step: _update names it
+            self._update(call)
+        # unmanaged accumulation: the call ends the caller's window, _update reduces it
+        managed = self.managed_gradient_accumulation()
+        if managed and window.boundary_override is None and self.micro_steps % steps:
+            raise StateError(
+                f"{call} in the middle of an accumulation window that engine.step() is "
+                f"counting (micro step {self.micro_steps % steps + 1} of {steps}): the "
+                "window would end early; finish it with engine.step(), or use "
+                "optimizer.step() without engine.step()")
+        if managed and not (self.stage.reduces_every_micro_step
+                            or self.is_gradient_accumulation_boundary()):
+            raise StateError(
+                f"{call} after a backward that does not end the accumulation window "
+                f"(gradient_accumulation_steps {steps}): at ZeRO stage "
+                f"{self.zero_optimization_stage()} gradients are reduced over ranks only "
+                "at its end, so the update would use this rank's alone; call "
+                "engine.step() after each backward, or "
+                "engine.set_gradient_accumulation_boundary(True) before the last one")
+        outcome = self._update(call)
+        if not outcome.applied:
+            error = self._skip(outcome)
+            if error is not None:
+                raise error
+
     @property
     def inference_only(self) -> bool:
         """Built without an optimizer (no ``optimizer`` section, no ``initialize(optimizer=)``):
@@ -430,6 +468,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                             f"{type(is_boundary).__name__}")
         self._refuse_unmanaged("set_gradient_accumulation_boundary()")
         self.accumulation_window.set_boundary_override(is_boundary)   # the next backward
+
+    def end_window_at_next_backward(self) -> None:
+        """Count micro-steps forward so that the next backward ends the accumulation window
+        (a Hugging Face Trainer's short last window: Note "short last window" in
+        integrations/transformers.py). Nothing happens where it ends there already."""
+        if not self.is_gradient_accumulation_boundary():
+            window = self.gradient_accumulation_steps()
+            self.micro_steps += window - 1 - self.micro_steps % window
 
     @property
     def _is_gradient_accumulation_boundary(self) -> Optional[bool]:

@@ -14,8 +14,8 @@ ZeRO optimizer's own: ``zero_grad`` and ``step``.
 Note: optimizer.step() without engine.step()
     DeepSpeed's tests (and some loops) call ``engine.backward(loss)`` one or more times and
     then ``optimizer.step()``, never ``engine.step()``. The optimizer's step is the
-    engine's update (``ZeroEngine._update``, the same code ``engine.step()`` runs at a
-    boundary: reduce what is left, unscale and clip, overflow check, update, clear the
+    engine's update (``ZeroEngine.optimizer_step``, which runs the code ``engine.step()``
+    runs at a boundary: reduce what is left, unscale and clip, overflow check, update, clear the
     gradients, fp16 loss scale), so the weights equal ``engine.step()``'s bit for bit; like
     DeepSpeed's it leaves the LR scheduler, ``global_steps`` and the micro-step count
     alone. Backwards without a step accumulate, each divided by
@@ -44,7 +44,6 @@ from typing import Any
 import torch
 
 from ..errors import StateError
-from ..offload import states as moved_states
 from .full_params import parameter_records, safe_get_full_grad
 from .group_gradients import averaged_gradients_by_group
 
@@ -173,37 +172,5 @@ class OptimizerViews:
 
     def step(self) -> None:
         """The engine's update without ``engine.step()`` (Note: optimizer.step() without
-        engine.step()). Collective, as ``engine.step()``."""
-        engine = self.engine()
-        call = "optimizer.step()"
-        engine._refuse_without_optimizer(call)
-        moved_states.refuse_while_away(engine._moved, call)
-        window = engine.accumulation_window
-        if window.coalescing:
-            raise StateError(f"{call} inside coalesce_grad_reduction() (a no_sync block): "
-                             "leave the block first, its exit reduces the gradients")
-        steps = engine.gradient_accumulation_steps()
-        if not window.backward_in_window:   # nothing to step: _update names it
-            engine._update(call)
-        # unmanaged accumulation: the call ends the caller's window, _update reduces it
-        managed = engine.managed_gradient_accumulation()
-        if managed and window.boundary_override is None and engine.micro_steps % steps:
-            raise StateError(
-                f"{call} in the middle of an accumulation window that engine.step() is "
-                f"counting (micro step {engine.micro_steps % steps + 1} of {steps}): the "
-                "window would end early; finish it with engine.step(), or use "
-                "optimizer.step() without engine.step()")
-        if managed and not (engine.stage.reduces_every_micro_step
-                            or engine.is_gradient_accumulation_boundary()):
-            raise StateError(
-                f"{call} after a backward that does not end the accumulation window "
-                f"(gradient_accumulation_steps {steps}): at ZeRO stage "
-                f"{engine.zero_optimization_stage()} gradients are reduced over ranks only "
-                "at its end, so the update would use this rank's alone; call "
-                "engine.step() after each backward, or "
-                "engine.set_gradient_accumulation_boundary(True) before the last one")
-        outcome = engine._update(call)
-        if not outcome.applied:
-            error = engine._skip(outcome)
-            if error is not None:
-                raise error
+        engine.step()): ``engine.optimizer_step()``. Collective, as ``engine.step()``."""
+        self.engine().optimizer_step()

@@ -89,7 +89,7 @@ PACKAGE_ROWS: dict[str, tuple[tuple[str, ...], ...]] = {
     "engine": (("full_params", "parameter_offload", "vote_plan", "window"), ("group_gradients",), ("timers", "throughput", "lr_watch", "direct_backward", "compile", "ownership",
                 "fingerprint", "optimizer_choice", "accumulation", "optimizer_views", "unused",
                 "autocast", "sequence"),
-               ("api", "reports", "persistence"), ("engine",), ("resume",), ("build",),
+               ("api", "reports", "persistence", "stepping"), ("engine",), ("resume",), ("build",),
                ("__init__",)),
     "core": (("flat", "quantize", "precision", "memory", "log"), ("records", "runtime_utils"), ("__init__",)),
 }

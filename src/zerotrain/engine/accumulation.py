@@ -251,20 +251,6 @@ class EngineAccumulation:
         return not self.accumulation_window.inside_no_sync and (
             self.stage.reduces_every_micro_step or self.is_gradient_accumulation_boundary())
 
-    def _reduce_window(self) -> None:
-        """Unmanaged mode, before the update: reduce what the window's backwards left on
-        this rank (stages 0-1; stages 2-3 reduced each backward already)."""
-        if not self.stage.reduces_every_micro_step:
-            self._reduce_local_gradients()
-
-    def _samples_in_window(self) -> int:
-        """Samples the ending window trained on: ``train_batch_size``, or in unmanaged mode
-        one micro-batch per rank per backward actually run, as DeepSpeed counts them."""
-        if self.managed_gradient_accumulation():
-            return self.train_batch_size()
-        return (self.train_batch_size() // self.gradient_accumulation_steps()
-                * self.accumulation_window.window_backwards)
-
     def _reduce_local_gradients(self, boundary: bool = True) -> None:
         """One reducing empty backward: the local sums go over the ranks once."""
         self.stage.reduce_local(boundary)

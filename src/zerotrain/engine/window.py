@@ -3,9 +3,8 @@
 Why a module of its own: whether a backward ran in this window, whether it stayed on this
 rank (``no_sync``), which call took the last update, whether ``step()`` is running, a
 drop that ``optimizer.zero_grad()`` asked for... are read by the engine's backward and
-step, by ``optimizer.step()``, by the gradient readers and by checkpoints. Kept as loose
-engine attributes they were written from four modules; here one object holds them, and
-its transitions are their only writer, each allowed only in the phases of a table.
+step, by ``optimizer.step()``, by the gradient readers and by checkpoints. One object holds
+them, and its transitions are their only writer, each allowed only in the phases of a table.
 
 Note: the window's phases
     The engine moves the window through :class:`Phase` by events (the methods of
@@ -16,10 +15,12 @@ Note: the window's phases
     window changes. The refusals a user meets in a loop (a step inside
     ``coalesce_grad_reduction()``, an update without a backward, ``no_sync`` at stage 2)
     stay where they are, with their own errors; they run before the window is asked,
-    so the table is a second guard, not the first. Two phases mirror one outside and one
-    inside ``coalesce_grad_reduction()`` (a backward ends back in the block), and a step
-    that took the update (UPDATED) ends in STEPPED, one that did not (BOUNDARY) in
-    MICRO_STEP.
+    so the table is a second guard, not the first. Each target is fixed, so where the
+    next phase depends on where the window was, the phase says it: a backward inside
+    ``coalesce_grad_reduction()`` (BLOCK_BACKWARD, BLOCK_FAILED) ends back in the block,
+    one outside it in MICRO_STEP; a step that took the update (UPDATED) ends in STEPPED,
+    one that did not (BOUNDARY) in MICRO_STEP. ``coalescing`` and ``in_step`` are read off
+    the phase.
 
     A direct ``loss.backward()`` that raises leaves no trace the engine sees at once
     (Note "a direct backward that raises" in ``direct_backward.py``); the engine's next
@@ -38,7 +39,7 @@ from ..errors import StateError
 if TYPE_CHECKING:
     from ..stages.base import StepOutcome
 
-__all__ = ["AccumulationWindow", "Phase", "TRANSITIONS"]
+__all__ = ["AccumulationWindow", "EVENTS", "Phase", "TRANSITIONS"]
 
 
 class Phase(enum.Enum):

@@ -287,6 +287,25 @@ def _runs(rank, world):
     out["failed_backward"] = (ended, engine.accumulation_window.phase.name)
     engine.close()
 
+    # a backward whose end raises (a vote's verdict at its last launch) counts nothing and
+    # leaves the window idle: the next backward is not refused as "during a backward"
+    engine, _ = _engine(1)
+    finish = engine.stage.finish_backward
+
+    def failing():
+        engine.stage.finish_backward = finish
+        raise RuntimeError("injected at the end of the backward")
+    engine.stage.finish_backward = failing
+    try:
+        engine.backward(engine(*_batch(0)))
+    except RuntimeError:
+        window = engine.accumulation_window
+        out["failed_end"] = [window.phase.name, window.backward_in_window]
+    engine.backward(engine(*_batch(1)))
+    engine.step()
+    out["failed_end"] += [engine.accumulation_window.phase.name, engine.was_step_applied()]
+    engine.close()
+
     # optimizer.step() after a failed direct backward ends it first, as engine.step() does
     engine, model = _engine(2)
     fail = [True]
@@ -329,4 +348,5 @@ def test_engine_loops_move_the_window_through_its_phases(worlds):
     assert out["failed_direct"] == (True, "FAILED", "STEPPED", True)
     assert out["failed_backward"] == ("MICRO_STEP", "STEPPED")
     assert out["failed_then_optimizer_step"] == ("STEPPED", True)
+    assert out["failed_end"] == ["MICRO_STEP", False, "STEPPED", True]
     assert out["short_window"] == (4, 1, True)

@@ -4,9 +4,10 @@ The engine orchestrates and owns no math: gradients, shards and the update belon
 stage (``stages/``), loss scaling to ``precision.py``, collectives to ``comm``.
 
 The step and the update: ``stepping.py`` (Note "micro-steps and boundaries" there); the
-accumulation window's state and phases: ``window.py``. When a backward keeps its gradients on this rank: Note "no_sync" in ``accumulation.py``;
-when the caller's ``step()`` ends every window instead (``managed_gradient_accumulation:
-false``): Note "unmanaged accumulation" there.
+accumulation window's state and phases: ``window.py``. When a backward keeps its gradients
+on this rank: Note "no_sync" in ``accumulation.py``; when the caller's ``step()`` ends every
+window instead (``managed_gradient_accumulation: false``): Note "unmanaged accumulation"
+there.
 
 One open engine per model: Note in ``ownership.py``.
 """
@@ -213,8 +214,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
 
     def _backward_epilogue(self) -> None:
         """After every gradient of the backward has arrived."""
-        self.stage.finish_backward()
-        self.accumulation_window.end_backward(boundary=self.is_gradient_accumulation_boundary())
+        window = self.accumulation_window
+        try:
+            self.stage.finish_backward()
+        except BaseException:   # a vote's verdict read at its last launch: nothing counted
+            window.fail_backward()
+            window.abandon_backward()
+            raise
+        window.end_backward(boundary=self.is_gradient_accumulation_boundary())
 
     @property
     def inference_only(self) -> bool:

@@ -40,7 +40,7 @@ lint: install
 # engine/ is checked module by module as each comes clean (the list below); the rest of it
 # is not yet (docs/architecture.md, "Type checking").
 TYPED_ENGINE := __init__ direct_backward fingerprint full_params lr_watch optimizer_views \
-	parameter_offload reports resume timers unused
+	parameter_offload reports resume timers unused window
 typecheck: install
 	$(PY) -m mypy --version >/dev/null 2>&1 || $(PY) -m pip install -q "$(MYPY_PIN)"
 	$(PY) -m mypy --ignore-missing-imports --follow-imports=silent src/zerotrain/core \

@@ -70,7 +70,8 @@ def _stage_number_comparisons(source: str) -> list[int]:
 # Where a capability of the stage answers instead (``partitions_parameters``, the factory's
 # ``stage_class`` and ``deepspeed_kinds``): set-up, the engine, compile, the parameter
 # readers and the optimizer's DeepSpeed kinds.
-ASKS_THE_STAGE = ["engine/build.py", "engine/engine.py", "engine/compile.py",
+ASKS_THE_STAGE = ["engine/build.py", "engine/engine.py", "engine/stepping.py",
+                  "engine/window.py", "engine/compile.py",
                   "engine/full_params.py", "engine/group_gradients.py", "utils.py",
                   "optim/kinds.py", "optim/optimizer.py"]
 

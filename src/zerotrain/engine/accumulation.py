@@ -2,10 +2,10 @@
 and ``managed_gradient_accumulation: false``, where the caller's ``step()`` ends the window.
 
 Why a module of its own: the two contexts only say whether the backwards inside keep their
-gradients on this rank; the engine's ``backward`` and ``step`` read that (``inside_no_sync_ctxt``,
-``_local_backwards``) and refuse a step that would use one rank's gradients. Kept apart, as a
-mixin :class:`~zerotrain.engine.ZeroEngine` inherits, the rules are in one place with
-their Note.
+gradients on this rank; the engine's ``backward`` and ``step`` read that (the accumulation
+window's ``inside_no_sync`` and ``local_backwards``, ``window.py``) and refuse a step that
+would use one rank's gradients. Kept apart, as a mixin :class:`~zerotrain.engine.ZeroEngine`
+inherits, the rules are in one place with their Note.
 
 Note: no_sync
     At stages 0 and 1 each rank accumulates the full gradient and one backward reduces it:
@@ -96,7 +96,9 @@ from typing import Any, Iterator, Optional
 
 from ..comm.agreement import vote
 from .vote_plan import VotePlan
+from .window import AccumulationWindow
 from ..errors import AccumulationModeError, ContextMisuseError, RankDivergenceError
+from ..stages.factory import shards_optimizer
 
 
 class EngineAccumulation:
@@ -107,13 +109,8 @@ class EngineAccumulation:
     stage: Any
     config: Any
     comm: Any
+    accumulation_window: AccumulationWindow
     pipeline_parallelism = False   # DeepSpeed's engine flag: this engine runs no pipeline
-    inside_no_sync_ctxt: bool
-    _coalescing: bool
-    _local_backwards: int
-    _in_step = False          # step() is running (the boundary in unmanaged mode)
-    _window_backwards = 0     # backwards since the last update (unmanaged global_samples)
-    _micro_backwards = 0      # backwards since the last micro-step's end or update (votes)
     _vote_plan: Optional[VotePlan] = None   # stages 0-2: Note "vote plans" in vote_plan.py
     micro_steps: int
 
@@ -129,15 +126,6 @@ class EngineAccumulation:
                 "caller already owns the accumulation boundary, every step() ends the window "
                 "and reduces once (remove the call, or the key)")
 
-    @contextlib.contextmanager
-    def _step_owns_boundary(self) -> Iterator[None]:
-        """``step()`` is running: in unmanaged mode, the accumulation boundary."""
-        self._in_step = True
-        try:
-            yield
-        finally:
-            self._in_step = False
-
     def _agree_on_window(self, event: str) -> None:
         """Every rank is at the same ``event`` ("backward", "update", "flush": the exit of
         a stage-2 ``coalesce_grad_reduction()`` block, or "held": a stage-1 block's exit,
@@ -151,7 +139,7 @@ class EngineAccumulation:
         if not self.managed_gradient_accumulation():
             if not (update or self.stage.reduces_every_micro_step):
                 return
-            values = (update, self._window_backwards)
+            values = (update, self.accumulation_window.window_backwards)
             self._vote(("unmanaged", *values), values, label=f"unmanaged accumulation: {event}",
                        refuse=self._unmanaged_refusal)
             return
@@ -162,13 +150,14 @@ class EngineAccumulation:
         # a second backward in a micro-step is read at once: the stage may refuse it in its
         # first gradient's hook, where no launch would read the vote first (Note "deferred
         # verdicts" in comm/agreement.py); one backward per micro-step pays no wait
-        values = ((_EVENTS.index("backward"), self.micro_steps, self._micro_backwards - 1)
-                  if held else (_EVENTS.index(event), self.micro_steps, self._micro_backwards))
+        backwards = self.accumulation_window.micro_backwards
+        values = ((_EVENTS.index("backward"), self.micro_steps, backwards - 1)
+                  if held else (_EVENTS.index(event), self.micro_steps, backwards))
         label = f"backward vote: {'backward' if held else event}"   # the step's trail too
         plan = self._vote_plan
         key = ("managed", values[0], values[1] - (plan.base if plan else 0), values[2])
         self._vote(key, values, label=label, refuse=self._backward_refusal,
-                   deferred=not backward or not self._micro_backwards)
+                   deferred=not backward or not backwards)
 
     def _vote(self, key: tuple, values: tuple, *, label: str, refuse,
               deferred: bool = True) -> None:
@@ -201,10 +190,12 @@ class EngineAccumulation:
             self.stage.agree_on_call(call)
             return
         if self.managed_gradient_accumulation():
-            values = (_EVENTS.index(call), self.micro_steps, self._micro_backwards)
+            values = (_EVENTS.index(call), self.micro_steps,
+                      self.accumulation_window.micro_backwards)
             describe = _managed
         else:
-            values, describe = (_UNMANAGED_CALLS.index(call), self._window_backwards), _unmanaged
+            values = (_UNMANAGED_CALLS.index(call), self.accumulation_window.window_backwards)
+            describe = _unmanaged
         if self._vote_plan is not None:
             self._vote_plan.leave_for(f"{call}() ({describe(*values)})")
         vote(self.comm, values, label=f"{call} vote", deferred=False,
@@ -256,27 +247,13 @@ class EngineAccumulation:
         """Whether the backward about to run reduces gradients over ranks: every one at
         stage 2, the window's last at stages 0-1, none that a block keeps local (Note:
         backwards that reduce)."""
-        return not self.inside_no_sync_ctxt and (self.stage.reduces_every_micro_step
-                                                 or self.is_gradient_accumulation_boundary())
-
-    def _reduce_window(self) -> None:
-        """Unmanaged mode, before the update: reduce what the window's backwards left on
-        this rank (stages 0-1; stages 2-3 reduced each backward already)."""
-        if not self.stage.reduces_every_micro_step:
-            self._reduce_local_gradients()
-
-    def _samples_in_window(self) -> int:
-        """Samples the ending window trained on: ``train_batch_size``, or in unmanaged mode
-        one micro-batch per rank per backward actually run, as DeepSpeed counts them."""
-        if self.managed_gradient_accumulation():
-            return self.train_batch_size()
-        return (self.train_batch_size() // self.gradient_accumulation_steps()
-                * self._window_backwards)
+        return not self.accumulation_window.inside_no_sync and (
+            self.stage.reduces_every_micro_step or self.is_gradient_accumulation_boundary())
 
     def _reduce_local_gradients(self, boundary: bool = True) -> None:
         """One reducing empty backward: the local sums go over the ranks once."""
         self.stage.reduce_local(boundary)
-        self._local_backwards = 0
+        self.accumulation_window.reduced_local()
 
     def _flush_coalesced_reduction_zero3(self, optimizer: Any) -> None:
         """DeepSpeed's stage-3 flush at a ``coalesce_grad_reduction()`` block's exit: the
@@ -305,16 +282,17 @@ class EngineAccumulation:
                 f"{self.zero_optimization_stage()}: it partitions gradients, reduce-scattering "
                 "each backward's gradients into shards, so none can stay local (DeepSpeed "
                 "refuses it there too); accumulate with gradient_accumulation_steps instead")
-        if self._coalescing:
+        window = self.accumulation_window
+        if window.coalescing:
             raise ContextMisuseError(
                 "engine.no_sync() inside coalesce_grad_reduction(): the block already keeps "
                 "its backwards local and reduces them once at its exit; nesting no_sync in it "
                 "is refused, as in DeepSpeed")
-        outer, self.inside_no_sync_ctxt = self.inside_no_sync_ctxt, True
+        outer = window.enter_no_sync()
         try:
             yield
         finally:
-            self.inside_no_sync_ctxt = outer
+            window.leave_no_sync(outer)
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:
@@ -330,7 +308,7 @@ class EngineAccumulation:
         keeps every ``.grad``. The mean the step applies is the plain loop's, its sums
         added in another order (equal bit for bit where they are exact)."""
         self._refuse_unmanaged("coalesce_grad_reduction")
-        if self.zero_optimization_stage() == 0:
+        if not shards_optimizer(self.zero_optimization_stage()):
             raise NotImplementedError("coalesce_grad_reduction requires ZeRO stage 1/2/3, "
                                       "got stage 0")
         if self.pipeline_parallelism:
@@ -345,17 +323,16 @@ class EngineAccumulation:
                 "DeepSpeed; remove data_types.grad_accum_dtype (zerotrain accumulates in fp32 "
                 "by default, and DeepSpeed then uses its ZeRO optimizer, which takes the "
                 "block), offload the optimizer, or use stage 2")
-        if self.inside_no_sync_ctxt or self._coalescing:
+        window = self.accumulation_window
+        if window.inside_no_sync or window.coalescing:
             raise ContextMisuseError("coalesce_grad_reduction cannot be nested inside another no_sync "
                              "or coalesce_grad_reduction block")
-        self._coalescing = True
-        self.inside_no_sync_ctxt = True
+        window.enter_coalescing()
         try:
             yield
         finally:
-            self._coalescing = False
-            self.inside_no_sync_ctxt = False
-            if self._local_backwards:   # the flush
+            window.leave_coalescing()
+            if window.local_backwards:   # the flush
                 if self.stage.partitions_parameters:
                     self._flush_coalesced_reduction_zero3(self.optimizer)
                 elif self.stage.reduces_every_micro_step:

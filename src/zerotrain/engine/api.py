@@ -15,7 +15,8 @@ data-parallel group is the world, or world / T of it).
 The mixin reads what the engine sets in ``__init__``: ``config`` (``ZeroTrainConfig``),
 ``comm`` (its world), ``optimizer`` and ``stage`` (whose ``optimizer`` is the torch
 optimizer over the shards), ``loss_scaler``, ``_autocast_dtype`` (``engine/autocast.py``)
-and ``_last_outcome`` (the last step's :class:`~zerotrain.stages.base.StepOutcome`); ``destroy()`` is the engine's ``close()``.
+and ``accumulation_window`` (``window.py``: the last update's outcome, whether a backward
+ran since); ``destroy()`` is the engine's ``close()``.
 """
 from __future__ import annotations
 
@@ -41,8 +42,7 @@ class DeepSpeedEngineAPI:
     comm: Any
     stage: Any
     loss_scaler: Any
-    _last_outcome: Any
-    _step_applied: bool
+    accumulation_window: Any
 
     # ------------------------------------------------------------------ batch sizes
     def train_batch_size(self) -> int:
@@ -202,7 +202,7 @@ class DeepSpeedEngineAPI:
         window's backward by itself, so this only waits for it (``bucket_size`` is
         DeepSpeed's and unused)."""
         self.settle()
-        if self._backward_in_window and self.is_gradient_accumulation_boundary():
+        if self.accumulation_window.backward_in_window and self.is_gradient_accumulation_boundary():
             self.stage.buckets.collect()
 
     @property
@@ -223,10 +223,11 @@ class DeepSpeedEngineAPI:
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` updated the parameters: False for one between
         accumulation boundaries or one skipped on overflow."""
-        return self._step_applied
+        return self.accumulation_window.step_applied
 
     def get_global_grad_norm(self) -> Optional[float]:
-        return None if self._last_outcome is None else self._last_outcome.grad_norm
+        outcome = self.accumulation_window.last_outcome
+        return None if outcome is None else outcome.grad_norm
 
     @property
     def loss_scale(self) -> float:

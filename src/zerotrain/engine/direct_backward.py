@@ -22,7 +22,8 @@ Note: a direct backward that raises
     ``comm/trail.py``). A direct ``loss.backward()`` that raises after its first gate has
     run the prologue never reaches the epilogue it queued (autograd drops queued callbacks
     when the backward fails), and nothing of the engine's runs in between. So the engine's
-    next ``forward``, ``backward`` or ``step`` ends it first (``take_unfinished``), as
+    next ``forward``, ``backward`` or ``step`` (``optimizer.step()`` too) ends it first
+    (``take_unfinished``; the accumulation window is FAILED meanwhile), as
     ``engine.backward`` would have: the failure noted in the trail, the stage's remaining
     reductions launched with zeros for the missing gradients, so that peers waiting in them
     go on, and the step's fingerprint stops every rank where only some failed. Before, the
@@ -107,12 +108,16 @@ class DirectBackward:
         self._running = False
         self._epilogue()
 
-    def take_unfinished(self) -> bool:
+    def raised(self) -> bool:
         """Whether a direct backward ran the prologue and never reached its epilogue: it
         raised, and autograd runs queued callbacks only when the whole backward completes
-        (Note: a direct backward that raises). Clears the mark. Inside a running backward
-        (a forward from a backward hook) nothing is unfinished yet."""
-        if not self._running or _in_backward():
+        (Note: a direct backward that raises). Inside a running backward (a forward from a
+        backward hook) nothing is unfinished yet."""
+        return self._running and not _in_backward()
+
+    def take_unfinished(self) -> bool:
+        """:meth:`raised`, and clears the mark."""
+        if not self.raised():
             return False
         self._running = False
         return True

@@ -3,19 +3,11 @@
 The engine orchestrates and owns no math: gradients, shards and the update belong to the
 stage (``stages/``), loss scaling to ``precision.py``, collectives to ``comm``.
 
-Note: micro-steps and boundaries
-    ``step()`` is called after every micro-step's ``backward()``. The optimizer steps only
-    at the accumulation boundary, every ``gradient_accumulation_steps`` micro-steps; in
-    between, gradients accumulate. ``global_steps`` counts boundaries, skipped ones included
-    (as DeepSpeed counts them); ``skipped_steps`` counts fp16 overflows and non-finite
-    gradients. A boundary whose gradient is non-finite under ``"nonfinite": "raise"`` ends
-    its window like a skipped step (counted in both, gradients dropped, parameters
-    unchanged) before ``NonFiniteGradientError`` propagates, so a loop that catches it and
-    goes on starts a fresh window of ``gradient_accumulation_steps`` micro-steps.
-
-When a backward keeps its gradients on this rank: Note "no_sync" in ``accumulation.py``;
-when the caller's ``step()`` ends every window instead (``managed_gradient_accumulation:
-false``): Note "unmanaged accumulation" there.
+The step and the update: ``stepping.py`` (Note "micro-steps and boundaries" there); the
+accumulation window's state and phases: ``window.py``. When a backward keeps its gradients
+on this rank: Note "no_sync" in ``accumulation.py``; when the caller's ``step()`` ends every
+window instead (``managed_gradient_accumulation: false``): Note "unmanaged accumulation"
+there.
 
 One open engine per model: Note in ``ownership.py``.
 """
@@ -37,22 +29,22 @@ from ..config import ZeroTrainConfig
 from .direct_backward import DirectBackward
 from .accumulation import EngineAccumulation
 from .vote_plan import vote_plan_for
+from .window import AccumulationWindow
 from .api import DeepSpeedEngineAPI
 from .persistence import EnginePersistence
+from .stepping import EngineStepping
 from .reports import EngineReports, reach_totals
-from ..errors import (ContextMisuseError, LossValueError, NonFiniteGradientError, StateError,
-                      UnusedParameterError)
+from ..errors import LossValueError, StateError
 from .lr_watch import SchedulerWatch
 from ..offload import states as moved_states
 from ..optim import InferenceOnlyOptimizer, ZeroOptimizer
 from .ownership import claim, close_stage, is_closed, refuse_when_closed
 from ..core.precision import LossScaling, PrecisionPolicy, loss_scaling
-from ..stages.base import Stage, StepOutcome
+from ..stages.base import Stage
 from ..stages.param_watch import ParameterWatch
 from ..stages.factory import deepspeed_kinds, shards_optimizer
 from .throughput import ThroughputTimer
 from .timers import StepTimers
-from .unused import refuse_unused_parameters
 from .group_gradients import gradient_norms_by_group
 
 logger = logging.getLogger(__name__)
@@ -60,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 @refuse_when_closed   # Note "a closed engine refuses" in ownership.py
 class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCompile,
-                 EngineAccumulation, nn.Module):
+                 EngineStepping, EngineAccumulation, nn.Module):
     """Wraps the user's module; ``engine(batch)``, ``backward(loss)``, ``step()``. DeepSpeed's
     one-line configuration accessors come from :class:`DeepSpeedEngineAPI`."""
 
@@ -89,18 +81,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._last_outcome: Optional[StepOutcome] = None
-        self._step_applied = False   # by the latest step() (False between boundaries)
-        self._lr_step_due: Optional[dict] = None   # delayed update: scheduler step to take
-        self._backward_in_window = False
-        self._updated_by: Optional[str] = None   # which call took the last update
-        self._drop_grads_at_backward = False   # optimizer.zero_grad() (optimizer_views.py)
-        self.inside_no_sync_ctxt = False   # DeepSpeed's name (Note: no_sync)
-        self._local_backwards = 0          # no_sync backwards no reduction has taken yet
         self._direct = DirectBackward(self._backward_prologue, self._backward_epilogue,
                                       _direct_backward_refusal(config))
-        self._boundary_override: Optional[bool] = None   # set_gradient_accumulation_boundary
-        self._coalescing = False   # inside coalesce_grad_reduction()
+        # Note "the window's phases" in window.py: its transitions are its only writer
+        self.accumulation_window = AccumulationWindow(backward_raised=self._direct.raised)
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, reach_totals(comm.ledger))
@@ -166,12 +150,15 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
                 scaled = scaled / self.gradient_accumulation_steps()
             scaled = self.loss_scaler.scale(scaled)
-            self._backward_prologue()
+            self._backward_prologue("engine.backward()")
             try:
                 with self._direct.managed():
                     scaled.backward(retain_graph=retain_graph)
-            except Exception as exc:   # Note "a failed backward" in comm/trail.py
-                if from_a_vote(exc):   # every rank stopped at the vote: launch nothing more
+            except BaseException as exc:   # Note "a failed backward" in comm/trail.py
+                self.accumulation_window.fail_backward()
+                if not isinstance(exc, Exception) or from_a_vote(exc):
+                    # an interrupt, or every rank stopped at the vote: launch nothing more
+                    self.accumulation_window.abandon_backward()
                     raise
                 self.comm.read_deferred()   # a vote's verdict before this rank's own error
                 self.comm.ledger.trail.note("backward failed", None, type(exc).__name__)
@@ -183,25 +170,31 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
     def _end_failed_direct_backward(self) -> None:
         """A direct ``loss.backward()`` that raised: end it now as ``backward`` ends a failed
         one (Note "a direct backward that raises" in direct_backward.py)."""
-        if not self._direct.take_unfinished() or self.comm.stopped_by_vote is not None:
+        if not self._direct.take_unfinished():
+            return
+        self.accumulation_window.fail_backward("loss.backward()")
+        if self.comm.stopped_by_vote is not None:
+            self.accumulation_window.abandon_backward()
             return
         self.comm.read_deferred()   # a vote's verdict before this rank's own failure
         self.comm.ledger.trail.note("backward failed", None, "loss.backward()")
         self._backward_epilogue()   # ended as a backward (its gaps as zeros)
 
-    def _backward_prologue(self) -> float:
+    def _backward_prologue(self, call: str = "loss.backward()") -> float:
         """Before a backward's gradients exist: tell the stage whether it ends the window.
         Returns what a direct ``loss.backward()`` multiplies its output gradients by (the
         accumulation scaling; the loss scale is ``engine.scale``'s, as in DeepSpeed)."""
         moved_states.refuse_while_away(self._moved, "backward()")
         if not self.stage.partitions_parameters:   # stage 3 notes each unit backward uses
             self.comm.ledger.trail.note("backward", None, "engine backward")   # comm/trail.py
-        if self._drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
+        window = self.accumulation_window
+        if window.drop_grads_at_backward:   # optimizer.zero_grad() since the last backward
             self.zero_grad()
         self._agree_on_window("backward")   # before it reduces (Notes in accumulation.py)
         with self._votes_first():   # a refused second backward: the vote's verdict first
             self.stage.begin_backward(self.is_gradient_accumulation_boundary(),
-                                      local=self.inside_no_sync_ctxt)
+                                      local=window.inside_no_sync)
+        window.begin_backward(call)
         return 1.0 / self.gradient_accumulation_steps()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -218,38 +211,14 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
 
     def _backward_epilogue(self) -> None:
         """After every gradient of the backward has arrived."""
-        self.stage.finish_backward()
-        self._backward_in_window = True
-        self._window_backwards += 1
-        self._micro_backwards += 1   # Note "backwards that reduce" in accumulation.py
-        self._updated_by = None
-        local, boundary = self.inside_no_sync_ctxt, self.is_gradient_accumulation_boundary()
-        if local or boundary:   # a boundary backward outside no_sync reduces them all
-            self._local_backwards = self._local_backwards + 1 if local else 0
-
-    def step(self, lr_kwargs: Optional[dict] = None) -> None:
-        """End a micro-step; at the accumulation boundary, update the parameters."""
-        self._refuse_without_optimizer("step()")
-        moved_states.refuse_while_away(self._moved, "step()")
-        self._end_failed_direct_backward()
-        if self._coalescing:
-            raise ContextMisuseError("engine.step() inside coalesce_grad_reduction() (a no_sync "
-                             "block): leave the block first, its exit reduces the gradients")
-        self._step_applied = False
-        if self._updated_by == "optimizer.step()" and not self._backward_in_window:
-            raise StateError("engine.step() after optimizer.step() with no backward between: "
-                             "optimizer.step() already took this window's update; call one "
-                             "of engine.step() and optimizer.step() per window, not both")
-        with self._timers.time("step"):
-            try:
-                with self._step_owns_boundary():   # Note "unmanaged accumulation"
-                    boundary = self.is_gradient_accumulation_boundary()
-                    if boundary:
-                        self._take_model_step(lr_kwargs or {})
-            except (NonFiniteGradientError, UnusedParameterError):   # the window is over
-                self._end_micro_step(True)
-                raise
-            self._end_micro_step(boundary)
+        window = self.accumulation_window
+        try:
+            self.stage.finish_backward()
+        except BaseException:   # a vote's verdict read at its last launch: nothing counted
+            window.fail_backward()
+            window.abandon_backward()
+            raise
+        window.end_backward(boundary=self.is_gradient_accumulation_boundary())
 
     @property
     def inference_only(self) -> bool:
@@ -257,92 +226,11 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         forward, evaluation, generation and checkpoint loading only, as in DeepSpeed."""
         return isinstance(self.stage.optimizer, InferenceOnlyOptimizer)
 
-
     def _refuse_without_optimizer(self, call: str) -> None:
         if self.inference_only:
             raise StateError(f"{call} needs an optimizer: this engine was built without one "
                              "(no 'optimizer' section in the config and no "
                              "initialize(optimizer=...)), so it runs forward only")
-
-    def _end_micro_step(self, boundary: bool) -> None:
-        if not self.tput_timer.started:   # the module was called without engine.forward
-            self.tput_timer.start()
-        self.tput_timer.stop(global_step=boundary)
-        self.micro_steps += 1
-        self._micro_backwards = 0
-        self.stage.begin_backward(self.is_gradient_accumulation_boundary())
-
-    def _take_model_step(self, lr_kwargs: dict) -> None:
-        samples = self._samples_in_window()
-        outcome = self._update("engine.step()")
-        if outcome.applied:
-            if self.lr_scheduler is not None:
-                if self.stage.delays_update:  # the update still reads the current lr
-                    self._lr_step_due = lr_kwargs
-                else:
-                    self._lr_watch.step(self.lr_scheduler, **lr_kwargs)
-        error = None if outcome.applied else self._skip(outcome)
-        self.global_steps += 1
-        self.global_samples += samples
-        if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
-            self._log_progress()
-        if error is not None:
-            raise error
-
-    def _update(self, call: str) -> StepOutcome:
-        """The optimizer's part of a step, as DeepSpeed's ZeRO optimizer's ``step()`` does
-        it: reduce what is left, unscale and clip, check overflow, update, clear the
-        gradients, adjust the fp16 loss scale. ``engine.step()`` at a boundary and a
-        direct ``optimizer.step()`` (engine/optimizer_views.py) both run it."""
-        self._agree_on_window("update")   # before what one rank alone may refuse
-        with self._votes_first():   # this rank's refusals read the vote first
-            if not self._backward_in_window:
-                taken = (f"; {self._updated_by} already took this window's update: call one "
-                         "of engine.step() and optimizer.step() per window, not both"
-                         if self._updated_by not in (None, call) else "")
-                raise StateError(f"{call} reached an accumulation boundary without any "
-                                 "engine.backward(loss) or loss.backward() since the last "
-                                 f"update{taken}")
-            if not (self.managed_gradient_accumulation() or self.inside_no_sync_ctxt):
-                self._reduce_window()   # the caller's step ends the window (accumulation.py)
-            if self.inside_no_sync_ctxt or self._local_backwards:
-                where = ("inside engine.no_sync()" if self.inside_no_sync_ctxt else
-                         f"after {self._local_backwards} backward(s) inside engine.no_sync() "
-                         "and none outside it")
-                raise StateError(f"{call} at an accumulation boundary {where}: this "
-                                 "window's gradients were not reduced over ranks, so the "
-                                 "update would use this rank's alone; run the window's last "
-                                 "backward outside no_sync, then step")
-        self.settle(before_step=True)
-        if (not self.config.zero_optimization.ignore_unused_parameters
-                and self.stage.unused_parameters() is not None):
-            try:
-                refuse_unused_parameters(self.stage, self.comm, self.global_steps + 1)
-            except UnusedParameterError:
-                self.stage.zero_grad()
-                self._backward_in_window = False
-                self._window_backwards = self._micro_backwards = 0
-                raise
-        outcome = self.stage.step(grad_scale=self.loss_scaler.loss_scale,
-                                  clip=self.config.gradient_clipping)
-        self._last_outcome = outcome
-        self._step_applied = outcome.applied
-        self._backward_in_window = False
-        self._window_backwards = self._micro_backwards = 0
-        self._updated_by = call
-        self.loss_scaler.update(overflow=not outcome.applied)
-        return outcome
-
-    def settle(self, *, before_step: bool = False) -> None:
-        """With ``offload_optimizer.dpu``, wait for the update running on the host, publish
-        it to the module and advance the LR scheduler; a no-op otherwise. Collective:
-        checkpoints, ``save_16bit_model`` and ``eval()`` call it, so they see the newest
-        parameters (and, with ``offload_optimizer.speculative``, no host step taken ahead
-        of ``step()``)."""
-        self.stage.settle(before_step=before_step)
-        if self._lr_step_due is not None:
-            due, self._lr_step_due = self._lr_step_due, None
-            self._lr_watch.step(self.lr_scheduler, **due)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         if not mode and "stage" in self.__dict__:
@@ -366,42 +254,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 self._vote_plan.close()
             close_stage(self.stage, self.module)   # the parameter watch too
 
-    def _skip(self, outcome: StepOutcome) -> Optional[NonFiniteGradientError]:
-        """A non-finite gradient, counted as skipped: fp16 rescales; otherwise the
-        ``nonfinite`` policy decides (the error to raise once the step is counted)."""
-        order = {name: i for i, (name, _) in enumerate(self.module.named_parameters())}
-        names = sorted(outcome.nonfinite_params, key=lambda n: order.get(n, len(order)))
-        first = repr(names[0]) if names else "an unknown parameter"
-        where = (f"step {self.global_steps + 1}: the gradient norm is {outcome.grad_norm}; "
-                 f"first non-finite gradient (in model order) in {first}"
-                 + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
-        self.skipped_steps += 1
-        if self.loss_scaler.skips_overflows:
-            logger.warning("fp16 overflow at %s: step skipped, loss scale now %s", where,
-                           self.loss_scale)
-            return None
-        if self.config.nonfinite == "raise":
-            return NonFiniteGradientError(
-                f"{where} ({self.config.precision} training; parameters left unchanged; set "
-                "\"nonfinite\": \"skip\" to skip such steps instead)")
-        logger.warning("skipped %s", where)
-        return None
-
-    def _log_progress(self) -> None:
-        rate = self.tput_timer.avg_samples_per_sec()
-        logger.info("step=%d skipped=%d lr=%s loss_scale=%s grad_norm=%s samples/s=%s",
-                    self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scale,
-                    self.get_global_grad_norm(), f"{rate:.1f}" if rate > 0 else "-")
-        if self.config.wall_clock_breakdown:
-            logger.info("time (ms) over the last %d steps: %s", self.config.steps_per_print,
-                        {k: round(v * 1e3, 2) for k, v in self.timing_breakdown().items()})
-
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine does this after every update)."""
         self.stage.zero_grad()
-        self._backward_in_window = False
-        self._local_backwards = 0
-        self._drop_grads_at_backward = False
+        self.accumulation_window.zero_grad()
 
     def _resume_after_load(self, counters: Optional[dict]) -> None:
         """After a checkpoint load: its counters, and a fresh accumulation window."""
@@ -409,20 +265,17 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             for name, value in counters.items():
                 setattr(self, name, value)
         self.stage.zero_grad()
-        self._backward_in_window = False
-        self._local_backwards = 0
-        self._last_outcome = None
-        self._step_applied = False
-        self._window_backwards = self._micro_backwards = 0
+        self.accumulation_window.reset_after_load()
         self._lr_watch.rebase(self.lr_scheduler)
         self.stage.begin_backward(self.is_gradient_accumulation_boundary())
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
+        override = self.accumulation_window.boundary_override
+        if override is not None:
+            return override
         if not self.managed_gradient_accumulation():   # the caller's step() is the boundary
-            return self._in_step
+            return self.accumulation_window.in_step
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -434,14 +287,28 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
             raise TypeError(f"set_gradient_accumulation_boundary() takes a bool, got "
                             f"{type(is_boundary).__name__}")
         self._refuse_unmanaged("set_gradient_accumulation_boundary()")
-        self._boundary_override = is_boundary   # the next backward() tells the stage
+        self.accumulation_window.set_boundary_override(is_boundary)   # the next backward
+
+    def end_window_at_next_backward(self) -> None:
+        """Count micro-steps forward so that the next backward ends the accumulation window
+        (a Hugging Face Trainer's short last window: Note "short last window" in
+        integrations/transformers.py). Nothing happens where it ends there already."""
+        if not self.is_gradient_accumulation_boundary():
+            window = self.gradient_accumulation_steps()
+            self.micro_steps += window - 1 - self.micro_steps % window
 
     @property
     def _is_gradient_accumulation_boundary(self) -> Optional[bool]:
         """The override ``set_gradient_accumulation_boundary`` set (None: the engine counts
         micro-steps), under DeepSpeed's attribute name, which code saving and restoring
         the caller's choice reads."""
-        return self._boundary_override
+        return self.accumulation_window.boundary_override
+
+    @property
+    def inside_no_sync_ctxt(self) -> bool:
+        """Inside ``no_sync()`` or ``coalesce_grad_reduction()`` (DeepSpeed's attribute name;
+        Note "no_sync" in accumulation.py)."""
+        return self.accumulation_window.inside_no_sync
 
     def __getattr__(self, name: str):
         """Unknown attributes come from the wrapped module, as with DeepSpeed's engine."""

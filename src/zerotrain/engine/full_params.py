@@ -271,13 +271,14 @@ def _state_tensor(record: Any, key: str, what: str) -> torch.Tensor:
 def reduced_gradient(engine: Any, record: Any, what: str) -> Optional[torch.Tensor]:
     """This rank's reduced (summed, scaled) gradient shard holding ``record``; None when no
     backward ran in this window. Refused before the window's last backward."""
-    if not engine._backward_in_window:
+    window = engine.accumulation_window
+    if not window.backward_in_window:
         return None
-    if getattr(engine, "_coalescing", False):
+    if window.coalescing:
         raise StateError(f"{what} inside coalesce_grad_reduction(): the block's gradients "
                          "are still this rank's alone, reduced over ranks at its exit; "
                          "call it after the block, before engine.step()")
-    if not engine.managed_gradient_accumulation() and not engine._in_step:
+    if not engine.managed_gradient_accumulation() and not window.in_step:
         raise StateError(f"{what}: with managed_gradient_accumulation=False the window's "
                          "gradients are reduced over ranks only inside engine.step(), which "
                          "ends the window and clears them after the update")

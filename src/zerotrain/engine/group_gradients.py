@@ -36,7 +36,7 @@ def averaged_gradients_by_group(engine: Any) -> dict[int, list[torch.Tensor]]:
     ``optimizer.averaged_gradients``: empty when no backward ran since the last step. A
     parameter none of whose elements this rank owns (stages 1-2) gives an empty chunk."""
     engine.settle()
-    if not engine._backward_in_window:
+    if not engine.accumulation_window.backward_in_window:
         return {}
     position = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
     found: dict[int, list[tuple[int, torch.Tensor]]] = {}

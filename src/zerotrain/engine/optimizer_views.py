@@ -14,8 +14,8 @@ ZeRO optimizer's own: ``zero_grad`` and ``step``.
 Note: optimizer.step() without engine.step()
     DeepSpeed's tests (and some loops) call ``engine.backward(loss)`` one or more times and
     then ``optimizer.step()``, never ``engine.step()``. The optimizer's step is the
-    engine's update (``ZeroEngine._update``, the same code ``engine.step()`` runs at a
-    boundary: reduce what is left, unscale and clip, overflow check, update, clear the
+    engine's update (``ZeroEngine.optimizer_step``, which runs the code ``engine.step()``
+    runs at a boundary: reduce what is left, unscale and clip, overflow check, update, clear the
     gradients, fp16 loss scale), so the weights equal ``engine.step()``'s bit for bit; like
     DeepSpeed's it leaves the LR scheduler, ``global_steps`` and the micro-step count
     alone. Backwards without a step accumulate, each divided by
@@ -44,7 +44,6 @@ from typing import Any
 import torch
 
 from ..errors import StateError
-from ..offload import states as moved_states
 from .full_params import parameter_records, safe_get_full_grad
 from .group_gradients import averaged_gradients_by_group
 
@@ -113,8 +112,7 @@ class OptimizerViews:
     def forward_hooks(self) -> list[Any]:
         """The handles of stage 3's forward hooks (none below stage 3, and none inside
         ``unwrap_model_for_generation``)."""
-        handles = getattr(self.engine().stage, "forward_hook_handles", None)
-        return handles() if handles is not None else []
+        return self.engine().stage.forward_hook_handles()
 
     def parameter_offload(self) -> Any:
         """Stage 3's hooks object under DeepSpeed's name (``parameter_offload.py``); an
@@ -143,7 +141,8 @@ class OptimizerViews:
                 "micro_step_id is a ZeRO stage 3 attribute here (the backwards reduced into "
                 f"the partitioned gradients since the last update); this engine runs stage "
                 f"{engine.zero_optimization_stage()}")
-        return 0 if engine._drop_grads_at_backward else engine.stage.reductions_this_window
+        return (0 if engine.accumulation_window.drop_grads_at_backward
+                else engine.stage.reductions_this_window)
 
     def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
         """DeepSpeed's stage-3 ``{group index: {parameter index: fp32 chunk}}``: this rank's
@@ -158,49 +157,19 @@ class OptimizerViews:
         middle of a window ``engine.step()`` is counting, where it would drop that window's
         first micro-steps (a loop that zeroes before every micro-batch)."""
         engine = self.engine()
+        window = engine.accumulation_window
         steps = engine.gradient_accumulation_steps()
-        if (engine._boundary_override is None and engine.micro_steps % steps
-                and engine._backward_in_window and engine.managed_gradient_accumulation()):
+        if (window.boundary_override is None and engine.micro_steps % steps
+                and window.backward_in_window and engine.managed_gradient_accumulation()):
             raise StateError(
                 f"optimizer.zero_grad() at micro step {engine.micro_steps % steps + 1} of "
                 f"{steps} of an accumulation window would drop the gradients of its first "
                 f"{engine.micro_steps % steps} micro-step(s) (DeepSpeed drops them too); "
                 "engine.step() clears the gradients after each update: remove the call, or "
                 "call engine.zero_grad() to drop them on purpose")
-        engine._drop_grads_at_backward = True
+        window.request_drop_at_backward()
 
     def step(self) -> None:
         """The engine's update without ``engine.step()`` (Note: optimizer.step() without
-        engine.step()). Collective, as ``engine.step()``."""
-        engine = self.engine()
-        call = "optimizer.step()"
-        engine._refuse_without_optimizer(call)
-        moved_states.refuse_while_away(engine._moved, call)
-        if engine._coalescing:
-            raise StateError(f"{call} inside coalesce_grad_reduction() (a no_sync block): "
-                             "leave the block first, its exit reduces the gradients")
-        steps = engine.gradient_accumulation_steps()
-        if not engine._backward_in_window:   # nothing to step: _update names it
-            engine._update(call)
-        # unmanaged accumulation: the call ends the caller's window, _update reduces it
-        managed = engine.managed_gradient_accumulation()
-        if managed and engine._boundary_override is None and engine.micro_steps % steps:
-            raise StateError(
-                f"{call} in the middle of an accumulation window that engine.step() is "
-                f"counting (micro step {engine.micro_steps % steps + 1} of {steps}): the "
-                "window would end early; finish it with engine.step(), or use "
-                "optimizer.step() without engine.step()")
-        if managed and not (engine.stage.reduces_every_micro_step
-                            or engine.is_gradient_accumulation_boundary()):
-            raise StateError(
-                f"{call} after a backward that does not end the accumulation window "
-                f"(gradient_accumulation_steps {steps}): at ZeRO stage "
-                f"{engine.zero_optimization_stage()} gradients are reduced over ranks only "
-                "at its end, so the update would use this rank's alone; call "
-                "engine.step() after each backward, or "
-                "engine.set_gradient_accumulation_boundary(True) before the last one")
-        outcome = engine._update(call)
-        if not outcome.applied:
-            error = engine._skip(outcome)
-            if error is not None:
-                raise error
+        engine.step()): ``engine.optimizer_step()``. Collective, as ``engine.step()``."""
+        self.engine().optimizer_step()

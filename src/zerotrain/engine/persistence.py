@@ -37,7 +37,7 @@ class EnginePersistence:
     loss_scaler: Any
     training_dataloader: Any
     micro_steps: int
-    _backward_in_window: bool
+    accumulation_window: Any
     last_checkpoint_report: Any
     _moved: Any
     _checkpoint_writer: Optional[checkpoint.BackgroundWriter]
@@ -72,7 +72,8 @@ class EnginePersistence:
         loading keeps them as the model holds them (docs/checkpoints.md).
         """
         if (self.micro_steps % self.gradient_accumulation_steps() != 0
-                if self.managed_gradient_accumulation() else self._backward_in_window):
+                if self.managed_gradient_accumulation()
+                else self.accumulation_window.backward_in_window):
             logger.warning("saving in the middle of gradient accumulation (micro step %d): "
                            "the gradients accumulated so far are not saved", self.micro_steps)
         self._agree_on_call("save_checkpoint")   # every rank saves, or all raise together

@@ -30,8 +30,8 @@ Note: who does what
 Note: short last window
     When an epoch's batch count is not a multiple of ``gradient_accumulation_steps``, the
     Trainer updates after the remaining micro-batches. The engine counts micro-steps
-    itself, so before that last backward its ``micro_steps`` is moved forward to end its
-    window at the same micro-batch. (The Trainer has already scaled those losses for the
+    itself, so before that last backward it moves its ``micro_steps`` forward to end its
+    window at the same micro-batch (``engine.end_window_at_next_backward()``). (The Trainer has already scaled those losses for the
     shorter window.)
 """
 from __future__ import annotations
@@ -219,9 +219,8 @@ class ZeroTrainer(Trainer):
     def _engine_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``accelerator.backward`` for this Trainer: one micro-step of the engine."""
         engine = self._ensure_engine()
-        if self.accelerator.sync_gradients and not engine.is_gradient_accumulation_boundary():
-            window = engine.gradient_accumulation_steps()  # Note: short last window
-            engine.micro_steps += window - 1 - engine.micro_steps % window
+        if self.accelerator.sync_gradients:
+            engine.end_window_at_next_backward()   # Note: short last window
         engine.backward(loss, retain_graph=bool(kwargs.get("retain_graph", False)),
                         scale_wrt_gas=False)
         if engine.is_gradient_accumulation_boundary() and self._scheduler_view is not None:

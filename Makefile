@@ -1,8 +1,8 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
 # `make test-fast` skips the tests marked slow (the inner loop); `make lint` runs ruff with
 # the short rule set in pyproject.toml ([tool.ruff.lint]); `make typecheck` runs mypy on
-# core/, comm/, stages/ and the clean modules of engine/, installing the pinned mypy when
-# missing.
+# core/, comm/, stages/ and engine/, installing the pinned mypy when missing (.ci/run runs
+# all three).
 # `make gpu-check` is the first command on a GPU machine (bench/README.md); `make gpu-wheels`
 # fetches, here, the wheels it installs there (needs PyPI; not part of `make test`).
 PYTHON ?= python3
@@ -37,14 +37,10 @@ lint: install
 	$(PY) -m ruff check src tests tests/dist bench examples
 
 # torch's own annotations are read; packages without them (safetensors...) count as Any.
-# engine/ is checked module by module as each comes clean (the list below); the rest of it
-# is not yet (docs/architecture.md, "Type checking").
-TYPED_ENGINE := __init__ direct_backward fingerprint full_params lr_watch optimizer_views \
-	parameter_offload reports resume timers unused window
 typecheck: install
 	$(PY) -m mypy --version >/dev/null 2>&1 || $(PY) -m pip install -q "$(MYPY_PIN)"
 	$(PY) -m mypy --ignore-missing-imports --follow-imports=silent src/zerotrain/core \
-		src/zerotrain/comm src/zerotrain/stages $(TYPED_ENGINE:%=src/zerotrain/engine/%.py)
+		src/zerotrain/comm src/zerotrain/stages src/zerotrain/engine
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .mypy_cache

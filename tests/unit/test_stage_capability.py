@@ -1,7 +1,8 @@
-"""Only the factory maps ``zero_optimization.stage`` to a class: initialize, the engine,
-compile, the parameter readers and the optimizer's DeepSpeed kinds ask the stage
-(``partitions_parameters``, ``factory.adopt``, ``factory.deepspeed_kinds``) instead of
-comparing numbers."""
+"""Only the factory maps ``zero_optimization.stage`` to behaviour: the code that runs a
+built stage (initialize, the engine, the stages, tensor parallelism, the optimizer, the
+integrations, DeepSpeed's helpers) asks the stage (``partitions_parameters``) or the
+factory (``stage_class``, ``shards_optimizer``, ``partitions_gradients``,
+``partitions_parameters``, ``deepspeed_kinds``) instead of comparing numbers."""
 import ast
 from pathlib import Path
 
@@ -36,15 +37,16 @@ def test_adopt_leaves_whole_parameters_alone_and_asks_no_communicator():
 
 
 def _names_the_stage(node: ast.AST) -> bool:
-    """``x.stage``, a name ``stage``, or ``engine.zero_optimization_stage()``."""
-    if isinstance(node, ast.Attribute) and node.attr == "stage":
+    """``x.stage``, a name ``stage`` or ``zero_stage``, or a call of
+    ``zero_optimization_stage()`` / ``zero_stage(config)``."""
+    if isinstance(node, ast.Attribute) and node.attr in ("stage", "zero_stage"):
         return True
-    if isinstance(node, ast.Name) and node.id == "stage":
+    if isinstance(node, ast.Name) and node.id in ("stage", "zero_stage"):
         return True
     if isinstance(node, ast.Call):
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-        return name == "zero_optimization_stage"
+        return name in ("zero_optimization_stage", "zero_stage")
     return False
 
 
@@ -67,17 +69,29 @@ def _stage_number_comparisons(source: str) -> list[int]:
     return lines
 
 
-# Where a capability of the stage answers instead (``partitions_parameters``, the factory's
-# ``stage_class`` and ``deepspeed_kinds``): set-up, the engine, compile, the parameter
-# readers and the optimizer's DeepSpeed kinds.
-ASKS_THE_STAGE = ["engine/build.py", "engine/engine.py", "engine/stepping.py",
-                  "engine/window.py", "engine/compile.py",
-                  "engine/full_params.py", "engine/group_gradients.py", "utils.py",
-                  "optim/kinds.py", "optim/optimizer.py"]
+# Every module that runs a built stage asks a capability instead (the stage's
+# ``partitions_parameters``, ``reduces_every_micro_step``; the factory's ``stage_class``,
+# ``shards_optimizer``, ``partitions_gradients``, ``partitions_parameters``,
+# ``deepspeed_kinds``). Out of scope, because the number is their subject rather than a
+# switch on behaviour: the config's validation, the memory estimator and planner (formulas
+# per stage), the demo's report, the offload plan's checks of the config, and the
+# checkpoint formats (DeepSpeed names its files by stage).
+RUNTIME = ("engine", "stages", "tp", "optim", "integrations", "zero", "sequence", "muon",
+           "moe", "comm", "core")
+ASKS_THE_STAGE = sorted(
+    [p.relative_to(SRC).as_posix() for top in RUNTIME for p in (SRC / top).rglob("*.py")
+     if p.relative_to(SRC).as_posix() != "stages/factory.py"]
+    + ["utils.py", "recompute.py", "checkpointing.py"])
+
+
+def test_the_runtime_modules_are_found():
+    assert {"engine/engine.py", "engine/stepping.py", "stages/zero3/stage.py",
+            "tp/stage.py", "utils.py"} <= set(ASKS_THE_STAGE)
+    assert "stages/factory.py" not in ASKS_THE_STAGE
 
 
 @pytest.mark.parametrize("module", ASKS_THE_STAGE)
-def test_set_up_the_engine_and_its_helpers_do_not_branch_on_the_stage_number(module):
+def test_runtime_modules_do_not_branch_on_the_stage_number(module):
     assert _stage_number_comparisons((SRC / module).read_text(encoding="utf-8")) == []
 
 
@@ -86,6 +100,8 @@ def test_set_up_the_engine_and_its_helpers_do_not_branch_on_the_stage_number(mod
     "graphs = settings.cuda_graphs() if stage == 3 else None\n",
     "if engine.zero_optimization_stage() != 3:\n    pass\n",
     "ok = stage in (1, 2)\n",
+    "y = 3 == config.zero_optimization.stage\n",
+    "if hf_config.zero_stage(config) != 3:\n    pass\n",
 ])
 def test_the_detector_sees_a_branch_on_the_stage_number(source):
     assert _stage_number_comparisons(source) == [1]
@@ -111,3 +127,19 @@ def test_the_factory_names_deepspeeds_optimizer_classes_by_stage(stage, kinds):
     config = load_config({"train_batch_size": 1, "zero_optimization": {"stage": stage}},
                          world_size=1)
     assert factory.deepspeed_kinds(config) == frozenset(kinds)
+
+
+@pytest.mark.parametrize("source", [
+    "x = partitions_parameters(config.zero_optimization.stage)\n",
+    "x = self.stage is None\n",
+    "x = stage_count == 3\n",
+])
+def test_the_detector_lets_predicates_and_other_names_be(source):
+    assert _stage_number_comparisons(source) == []
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_factory_predicates_follow_the_stages(stage):
+    assert factory.shards_optimizer(stage) is (stage >= 1)
+    assert factory.partitions_gradients(stage) is (stage >= 2)
+    assert factory.partitions_parameters(stage) is (stage == 3)

@@ -92,27 +92,26 @@ Note: backwards that reduce
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from ..comm.agreement import vote
 from .vote_plan import VotePlan
-from .window import AccumulationWindow
 from ..errors import AccumulationModeError, ContextMisuseError, RankDivergenceError
 from ..stages.factory import shards_optimizer
 
+if TYPE_CHECKING:
+    from .surface import EngineSurface
+else:
+    EngineSurface = object   # typing only (surface.py)
 
-class EngineAccumulation:
+
+class EngineAccumulation(EngineSurface):
     """``no_sync()`` and ``coalesce_grad_reduction()`` (Note: no_sync), and the window the
     caller's ``step()`` ends with ``managed_gradient_accumulation: false`` (Note: unmanaged
     accumulation)."""
 
-    stage: Any
-    config: Any
-    comm: Any
-    accumulation_window: AccumulationWindow
     pipeline_parallelism = False   # DeepSpeed's engine flag: this engine runs no pipeline
     _vote_plan: Optional[VotePlan] = None   # stages 0-2: Note "vote plans" in vote_plan.py
-    micro_steps: int
 
     def managed_gradient_accumulation(self) -> bool:
         """DeepSpeed's accessor: False when the caller's ``step()`` ends every accumulation
@@ -139,7 +138,7 @@ class EngineAccumulation:
         if not self.managed_gradient_accumulation():
             if not (update or self.stage.reduces_every_micro_step):
                 return
-            values = (update, self.accumulation_window.window_backwards)
+            values: tuple[int, ...] = (update, self.accumulation_window.window_backwards)
             self._vote(("unmanaged", *values), values, label=f"unmanaged accumulation: {event}",
                        refuse=self._unmanaged_refusal)
             return
@@ -189,6 +188,8 @@ class EngineAccumulation:
         if self.stage.partitions_parameters:
             self.stage.agree_on_call(call)
             return
+        describe: Callable[..., str]
+        values: tuple[int, ...]
         if self.managed_gradient_accumulation():
             values = (_EVENTS.index(call), self.micro_steps,
                       self.accumulation_window.micro_backwards)

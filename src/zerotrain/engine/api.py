@@ -21,7 +21,7 @@ ran since); ``destroy()`` is the engine's ``close()``.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -34,15 +34,15 @@ from .optimizer_views import OptimizerViews
 # torch's SGD among them, keep their spelling.
 _LOWER_CASE_NAMES = frozenset({"adam", "adamw", "muon"})
 
+if TYPE_CHECKING:
+    from .surface import EngineSurface
+else:
+    EngineSurface = object   # typing only (surface.py)
 
-class DeepSpeedEngineAPI:
+
+class DeepSpeedEngineAPI(EngineSurface):
     """DeepSpeed's configuration and parallelism accessors, for :class:`ZeroEngine`."""
 
-    config: Any
-    comm: Any
-    stage: Any
-    loss_scaler: Any
-    accumulation_window: Any
 
     # ------------------------------------------------------------------ batch sizes
     def train_batch_size(self) -> int:
@@ -177,7 +177,8 @@ class DeepSpeedEngineAPI:
         return self.fp16_enabled() and self.config.fp16.loss_scale == 0
 
     # ------------------------------------------------------------------ logging
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> Union[int, float]:
+        """Steps between progress lines (``inf``: never, as Accelerate sets it)."""
         return self.config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:

@@ -49,7 +49,7 @@ import contextlib
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -225,14 +225,17 @@ def refuse_precompiled(model: nn.Module) -> None:
             raise ConfigError("model", f"{where} was compiled with Module.compile() before "
                               f"initialize; {fix}")
 
+if TYPE_CHECKING:
+    from .surface import EngineSurface
+else:
+    EngineSurface = object   # typing only (surface.py)
 
-class EngineCompile:
+
+class EngineCompile(EngineSurface):
     """The engine's ``compile()``, ``is_compiled`` and ``compiled_modules``: a mixin
     :class:`~zerotrain.engine.ZeroEngine` inherits, reading its ``module`` and ``stage``
     and holding the one :class:`Compilation` in force (``_compilation``)."""
 
-    module: nn.Module
-    stage: Any
     _compilation: Optional[Compilation]
 
     def compile(self, backend: Any = "inductor", mode: Optional[str] = None, *,

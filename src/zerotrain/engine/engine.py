@@ -254,8 +254,10 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
                 self._vote_plan.close()
             close_stage(self.stage, self.module)   # the parameter watch too
 
-    def zero_grad(self) -> None:
-        """Drop accumulated gradients (the engine does this after every update)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the engine does this after every update). The
+        gradients live in the stage's buffers, not in the parameters' ``.grad``, so
+        ``set_to_none`` (``nn.Module.zero_grad``'s) changes nothing: they are dropped."""
         self.stage.zero_grad()
         self.accumulation_window.zero_grad()
 

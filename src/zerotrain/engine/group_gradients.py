@@ -45,6 +45,7 @@ def averaged_gradients_by_group(engine: Any) -> dict[int, list[torch.Tensor]]:
         if record.group_index < 0:   # a frozen parameter's shard (core.records.FROZEN)
             continue
         summed = reduced_gradient(engine, record, "averaged_gradients")
+        assert summed is not None, "a backward ran in this window (checked above)"
         chunks = found.setdefault(record.group_index, [])
         for name, slot in zip(record.names, record.layout.slots):
             chunk = summed[record.layout.shard_slice(slot)]

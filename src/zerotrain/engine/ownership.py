@@ -71,6 +71,10 @@ class StageClaim:
 _CLAIMS: "weakref.WeakKeyDictionary[Stage, StageClaim]" = weakref.WeakKeyDictionary()
 
 
+# the attribute each claimed parameter carries: a weak reference to the stage hooking it
+_STAGE_REF = "_zerotrain_stage"
+
+
 def claim(stage: Stage, module: nn.Module, *, engine: Any = None) -> StageClaim:
     """Register the claim of ``engine``'s ``stage`` on ``module``'s parameters, and record
     on each parameter the stage whose hooks it carries (a weak reference: the hooks keep
@@ -81,7 +85,7 @@ def claim(stage: Stage, module: nn.Module, *, engine: Any = None) -> StageClaim:
         engine=weakref.ref(engine) if engine is not None else None)
     ref = weakref.ref(stage)
     for p in module.parameters():
-        p._zerotrain_stage = ref
+        setattr(p, _STAGE_REF, ref)
     return held
 
 
@@ -106,19 +110,19 @@ def close_stage(stage: Stage, module: nn.Module) -> None:
         watch.uninstall()
     held.closed = True
     for p in module.parameters():
-        ref = getattr(p, "_zerotrain_stage", None)
+        ref = getattr(p, _STAGE_REF, None)
         if ref is not None and ref() is stage:
-            del p._zerotrain_stage
+            delattr(p, _STAGE_REF)
 
 
 def open_stage_of(module: nn.Module) -> Optional[tuple[str, Stage]]:
     """The first of ``module``'s parameters (by name) whose hooks belong to an open stage,
     with that stage; None when none is held (Note: one open engine per model)."""
     for name, p in module.named_parameters():
-        ref = getattr(p, "_zerotrain_stage", None)
+        ref = getattr(p, _STAGE_REF, None)
         stage = ref() if ref is not None else None
         held = claim_of(stage)
-        if held is not None and not held.closed and id(p) in held.params:
+        if stage is not None and held is not None and not held.closed and id(p) in held.params:
             return name, stage
     return None
 

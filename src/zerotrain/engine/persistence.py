@@ -14,7 +14,7 @@ The mixin reads what the engine sets in ``__init__`` (``module``, ``stage``, ``c
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from .. import checkpoint
 from ..checkpoint import full_weights as export
@@ -24,24 +24,17 @@ from ..offload import states as moved_states
 
 logger = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from .surface import EngineSurface
+else:
+    EngineSurface = object   # typing only (surface.py)
 
-class EnginePersistence:
+
+class EnginePersistence(EngineSurface):
     """``save_checkpoint``, ``load_checkpoint``, ``wait_for_checkpoint``,
     ``save_16bit_model`` and the consolidated state dict Accelerate and the Trainer ask for."""
 
-    module: Any
-    stage: Any
-    comm: Any
-    config: Any
-    lr_scheduler: Any
-    loss_scaler: Any
-    training_dataloader: Any
-    micro_steps: int
-    accumulation_window: Any
-    last_checkpoint_report: Any
-    _moved: Any
-    _checkpoint_writer: Optional[checkpoint.BackgroundWriter]
-    _agree_on_call: Any   # EngineAccumulation's: every rank is at this call
+    _checkpoint_writer: Optional[checkpoint.BackgroundWriter]   # the async saves' writer
 
     def _training_state(self) -> checkpoint.TrainingState:
         return checkpoint.TrainingState(

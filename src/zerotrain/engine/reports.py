@@ -9,23 +9,23 @@ out of the engine's training logic. The mixin reads what the engine sets in ``__
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from ..core.memory import StorageLedger
 from ..estimate.peak import PeakTracker
 
+if TYPE_CHECKING:
+    from .surface import EngineSurface
+else:
+    EngineSurface = object   # typing only (surface.py)
 
-class EngineReports:
+
+class EngineReports(EngineSurface):
     """``memory_breakdown()``, ``communication_breakdown()``, ``timing_breakdown()``."""
 
-    module: Any
-    stage: Any
-    comm: Any
-    global_steps: int
-    _timers: Any
-    _comm_mark: tuple
+    _comm_mark: tuple[int, dict[str, dict[str, int]]]   # (global_steps, ledger totals) at the last comm_report
 
     def timing_breakdown(self) -> dict[str, float]:
         """Seconds spent since the last call: forward, backward, step (device time from CUDA
@@ -52,7 +52,8 @@ class EngineReports:
         """
         ledger = StorageLedger()
         held = dict(self.stage.tensors_by_category())
-        ledger.add("parameters", list(self.module.parameters()) + held.pop("parameters", []))
+        parameters: list[torch.Tensor] = list(self.module.parameters())
+        ledger.add("parameters", parameters + held.pop("parameters", []))
         ledger.add("gradients", held.pop("gradients", []))
         ledger.add("optimizer_state", held.pop("optimizer_state", []))
         for category, tensors in held.items():

@@ -20,34 +20,26 @@ Note: micro-steps and boundaries
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import (ContextMisuseError, NonFiniteGradientError, StateError,
                       UnusedParameterError)
 from ..offload import states as moved_states
 from ..stages.base import StepOutcome
 from .unused import refuse_unused_parameters
-from .window import AccumulationWindow
 
 # the engine's logger: what a step reports reads as the engine's
 logger = logging.getLogger("zerotrain.engine.engine")
 
+if TYPE_CHECKING:
+    from .surface import EngineSurface
+else:
+    EngineSurface = object   # typing only (surface.py)
 
-class EngineStepping:
+
+class EngineStepping(EngineSurface):
     """``step()``, ``optimizer_step()`` and the update both run (Note: micro-steps and
     boundaries)."""
-
-    accumulation_window: AccumulationWindow
-    stage: Any
-    config: Any
-    comm: Any
-    module: Any
-    loss_scaler: Any
-    lr_scheduler: Any
-    global_steps: int
-    global_samples: int
-    micro_steps: int
-    skipped_steps: int
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """End a micro-step; at the accumulation boundary, update the parameters."""

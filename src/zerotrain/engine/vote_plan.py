@@ -95,10 +95,11 @@ class VotePlan:
         RankDivergenceError on every rank (Note: vote plans)."""
         entry = (VOTE, *key)
         self.record.append(entry)
-        if self.plan is None:
+        plan = self.plan
+        if plan is None:
             return False
         planned = self._next_vote()
-        if planned is not None and self.plan[planned] == entry:
+        if planned is not None and plan[planned] == entry:
             self.cursor = planned + 1
             return True
         self._leave(actual(), planned)
@@ -112,6 +113,7 @@ class VotePlan:
             self._leave(actual, self._next_vote())
 
     def _next_vote(self) -> Optional[int]:
+        assert self.plan is not None, "asked only while a plan stands"
         for index in range(self.cursor, len(self.plan)):
             if self.plan[index][0] == VOTE:
                 return index
@@ -119,6 +121,7 @@ class VotePlan:
 
     def _leave(self, actual: str, planned: Optional[int]) -> None:
         plan, self.plan = self.plan, None
+        assert plan is not None, "left only while a plan stands"
         self.left += 1
         had = (self._describe(plan[planned][1:]) if planned is not None
                else "the optimizer step")

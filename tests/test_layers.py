@@ -24,7 +24,8 @@ Rules:
   or attribute chain ending in ``stage``, ``_stage`` or ``inner``, or a call of one), and no
   assignment to or deletion of an attribute of one (Note "the contract" in
   ``stages/protocol.py``). ``tp/stage.py`` wraps its inner stage from outside ``stages``
-  and keeps the rule too.
+  and keeps the rule too;
+* no module is longer than :data:`MAX_LINES` lines.
 
 Every import counts, including those inside functions and under ``if TYPE_CHECKING:``.
 """
@@ -484,6 +485,16 @@ def test_every_module_is_placed_in_a_row(modules):
     assert not missing, (f"modules {missing} are not in any row: place them in ROWS (or a "
                          "package's module in PACKAGE_ROWS) at the top of tests/test_layers.py "
                          "(lowest row they may sit in)")
+
+
+MAX_LINES = 400   # a module longer than this has more than one job: split it
+
+
+def test_no_module_is_longer_than_400_lines(modules):
+    long = {key: source.count("\n") for key, source in modules.items()
+            if source.count("\n") > MAX_LINES}
+    assert not long, (f"modules over {MAX_LINES} lines: {long}; split each along a job "
+                      "of its own (a mixin, a helper module)")
 
 
 def test_modules_import_only_from_lower_rows(modules):

@@ -76,7 +76,7 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
         group_of: dict[int, Optional[int]] = {id(p): g for g, ps in enumerate(groups)
                                               for p in ps}
         names = {id(p): n for n, p in module.named_parameters()}
-        device = _device_of(module)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         apply_leaf_module_config(module, zero_config.leaf_module.model_dump())
         specs = build_units(module, unit_numel=int(zero_config.stage3_prefetch_bucket_size),
                             persistence_threshold=int(
@@ -396,9 +396,3 @@ class PartitionedDataParallel(UnitHooks, BucketedStage):
                 t for t in list(self.optimizer.state.get(master, {}).values())
                 if isinstance(t, torch.Tensor)]
         return out
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")

@@ -88,6 +88,7 @@ class ZeroEngine(DeepSpeedEngineAPI, EngineReports, EnginePersistence, EngineCom
         self._timers = StepTimers(self.device)   # Note: timing on a GPU (timers.py)
         self.tput_timer = ThroughputTimer(config.train_batch_size, self.device)
         self._comm_mark = (self.global_steps, reach_totals(comm.ledger))
+        self._peaks: dict[str, int] = {}   # memory_breakdown's measured and predicted peaks
         self.copy_ledger = stage.copy_ledger      # host <-> device copies, by direction
         self.host_traffic = stage.host_traffic    # host memory bytes, by phase of the step
         self._compilation: Optional[Compilation] = None

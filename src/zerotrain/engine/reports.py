@@ -9,7 +9,7 @@ out of the engine's training logic. The mixin reads what the engine sets in ``__
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
@@ -25,7 +25,8 @@ else:
 class EngineReports(EngineSurface):
     """``memory_breakdown()``, ``communication_breakdown()``, ``timing_breakdown()``."""
 
-    _comm_mark: tuple[int, dict[str, dict[str, int]]]   # (global_steps, ledger totals) at the last comm_report
+    _comm_mark: tuple[int, dict[str, dict[str, int]]]
+    _peaks: dict[str, int]   # peak_measured (measure_peak), peak_predicted (the planner)   # (global_steps, ledger totals) at the last comm_report
 
     def timing_breakdown(self) -> dict[str, float]:
         """Seconds spent since the last call: forward, backward, step (device time from CUDA
@@ -61,9 +62,7 @@ class EngineReports(EngineSurface):
                 ledger.add(category, tensors)
         ledger.add("buffers", list(self.module.buffers()))
         out = {**ledger.bytes, **self.stage.memory_peaks()}
-        for key in ("peak_measured", "peak_predicted"):   # see measure_peak()
-            if getattr(self, "_" + key, None) is not None:
-                out[key] = getattr(self, "_" + key)
+        out.update(self._peaks)   # peak_measured, peak_predicted: see measure_peak()
         return out
 
     @contextlib.contextmanager
@@ -81,7 +80,17 @@ class EngineReports(EngineSurface):
             tracker.add_existing(list(self.module.parameters()) + list(self.module.buffers())
                                  + held)
             yield
-        self._peak_measured = max(tracker.peak, getattr(self, "_peak_measured", None) or 0)
+        self._peaks["peak_measured"] = max(tracker.peak, self._peaks.get("peak_measured", 0))
+
+    @property
+    def predicted_peak(self) -> Optional[int]:
+        """The planner's predicted peak of a step on this rank, once noted (None before)."""
+        return self._peaks.get("peak_predicted")
+
+    def note_predicted_peak(self, nbytes: int) -> None:
+        """Record the planner's prediction (``zerotrain.planner.predict_engine_peak``):
+        ``memory_breakdown()`` reports it as peak_predicted, beside peak_measured."""
+        self._peaks["peak_predicted"] = int(nbytes)
 
     def communication_breakdown(self) -> dict[str, Any]:
         """Bytes this rank's collectives carried since the last call, by reach and operation:

@@ -14,13 +14,14 @@ from .spec import PlanError
 from .trace import STEPS
 
 
+
 def predict_engine_peak(engine: Any, build: Callable[[], torch.nn.Module],
                         batch: tuple, config: dict) -> int:
     """The predicted peak of a step of ``engine`` on this rank, for the model ``build()``
     makes, trained with the DeepSpeed ``config`` on micro-batches shaped like ``batch``
-    (the forward's positional tensors; the output, or its ``.loss``, is the loss). Cached on
-    the engine: ``engine.memory_breakdown()`` reports it as peak_predicted, beside the
-    peak_measured of ``engine.measure_peak()``.
+    (the forward's positional tensors; the output, or its ``.loss``, is the loss). Noted on
+    the engine (``note_predicted_peak``): ``engine.memory_breakdown()`` reports it as
+    peak_predicted, beside the peak_measured of ``engine.measure_peak()``.
 
     Why a process of its own: the trace runs rank 0 of a fake world, and a process that
     trains already has a process group; a spawned process (fresh interpreter, no group)
@@ -28,7 +29,7 @@ def predict_engine_peak(engine: Any, build: Callable[[], torch.nn.Module],
     the training state is left alone. ``build`` must be picklable (a class, a
     ``functools.partial``). Every rank of a symmetric run gets the same figure; ranks call
     it alone, it runs no collective."""
-    cached = getattr(engine, "_peak_predicted", None)
+    cached = engine.predicted_peak
     if cached is not None:
         return cached
     import pickle
@@ -46,8 +47,9 @@ def predict_engine_peak(engine: Any, build: Callable[[], torch.nn.Module],
     if done.returncode != 0:
         raise PlanError("the step could not be traced on fake tensors: "
                         + done.stderr.decode(errors="replace").strip()[-2000:])
-    engine._peak_predicted = int(done.stdout.decode().split()[-1])
-    return engine._peak_predicted
+    predicted = int(done.stdout.decode().split()[-1])
+    engine.note_predicted_peak(predicted)
+    return predicted
 
 
 # A plain subprocess, not multiprocessing: a rank may run in a daemonic process, which

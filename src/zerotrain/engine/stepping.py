@@ -158,10 +158,11 @@ class EngineStepping(EngineSurface):
                                  "update would use this rank's alone; run the window's last "
                                  "backward outside no_sync, then step")
         self.settle(before_step=True)
-        if (not self.config.zero_optimization.ignore_unused_parameters
-                and self.stage.unused_parameters() is not None):
+        unused = (None if self.config.zero_optimization.ignore_unused_parameters
+                  else self.stage.unused_parameters())   # None: the stage does not track them
+        if unused is not None:
             try:
-                refuse_unused_parameters(self.stage, self.comm, self.global_steps + 1)
+                refuse_unused_parameters(unused, self.comm, self.global_steps + 1)
             except UnusedParameterError:
                 self.stage.zero_grad()
                 window.drop_window(call)

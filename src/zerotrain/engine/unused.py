@@ -9,18 +9,16 @@ rather than one rank raising while the others wait in the update's collectives.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..comm import Communicator
 from ..errors import UnusedParameterError
 
 
-def refuse_unused_parameters(stage: Any, comm: Communicator, step: int) -> None:
+def refuse_unused_parameters(names: list[str], comm: Communicator, step: int) -> None:
     """Raise :class:`UnusedParameterError` on every rank if any rank's stage has a trained
-    parameter without a gradient since the last update (collective)."""
-    names = stage.unused_parameters()
+    parameter without a gradient since the last update (``names``: this rank's, from the
+    stage's ``unused_parameters()``; collective)."""
     count = torch.tensor([float(len(names))], device=comm.device)
     comm.all_reduce(count, op="max", label="unused-parameter check")
     if count.item() == 0:

@@ -408,7 +408,8 @@ def stage_probe_violations(modules: Mapping[str, str]) -> list[str]:
                 targets = [node.target]
             for target in targets:
                 for part in ast.walk(target):
-                    if (isinstance(part, ast.Attribute) and isinstance(part.ctx, (ast.Store, ast.Del))
+                    if (isinstance(part, ast.Attribute)
+                            and isinstance(part.ctx, (ast.Store, ast.Del))
                             and _is_stage(part.value)):
                         problems.append(f"{key}.py:{node.lineno} writes {part.attr!r} onto a "
                                         "stage: keep the engine's records in "

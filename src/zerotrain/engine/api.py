@@ -203,7 +203,8 @@ class DeepSpeedEngineAPI(EngineSurface):
         window's backward by itself, so this only waits for it (``bucket_size`` is
         DeepSpeed's and unused)."""
         self.settle()
-        if self.accumulation_window.backward_in_window and self.is_gradient_accumulation_boundary():
+        window = self.accumulation_window
+        if window.backward_in_window and self.is_gradient_accumulation_boundary():
             self.stage.buckets.collect()
 
     @property

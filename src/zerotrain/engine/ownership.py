@@ -10,9 +10,10 @@ Note: one open engine per model
     the same module), after which the closed engine refuses to train. What the engine
     keeps about the stage (the parameters it claimed, whether it is closed, the engine, its
     parameter watch) is a :class:`StageClaim` in a registry keyed weakly by the stage,
-    never attributes written onto the stage (Note "the contract" in stages/protocol.py). After ``close()`` the
-    model can be given to a new engine at any stage: below stage 3 its parameters are whole
-    and current; at stage 3 they stay partitioned, as after ``zero.Init``.
+    never attributes written onto the stage (Note "the contract" in stages/protocol.py).
+    After ``close()`` the model can be given to a new engine at any stage: below stage 3
+    its parameters are whole and current; at stage 3 they stay partitioned, as after
+    ``zero.Init``.
 
 Note: a closed engine refuses
     Once closed, an engine's model may belong to a new engine, so whatever the old one does

@@ -25,8 +25,9 @@ else:
 class EngineReports(EngineSurface):
     """``memory_breakdown()``, ``communication_breakdown()``, ``timing_breakdown()``."""
 
+    # (global_steps, ledger totals) at the last communication_breakdown()
     _comm_mark: tuple[int, dict[str, dict[str, int]]]
-    _peaks: dict[str, int]   # peak_measured (measure_peak), peak_predicted (the planner)   # (global_steps, ledger totals) at the last comm_report
+    _peaks: dict[str, int]   # peak_measured (measure_peak), peak_predicted (the planner)
 
     def timing_breakdown(self) -> dict[str, float]:
         """Seconds spent since the last call: forward, backward, step (device time from CUDA

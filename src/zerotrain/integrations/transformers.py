@@ -30,9 +30,9 @@ Note: who does what
 Note: short last window
     When an epoch's batch count is not a multiple of ``gradient_accumulation_steps``, the
     Trainer updates after the remaining micro-batches. The engine counts micro-steps
-    itself, so before that last backward it moves its ``micro_steps`` forward to end its
-    window at the same micro-batch (``engine.end_window_at_next_backward()``). (The Trainer has already scaled those losses for the
-    shorter window.)
+    itself, so before that last backward it asks the engine to end its window at the same
+    micro-batch (``engine.end_window_at_next_backward()``). (The Trainer has already scaled
+    those losses for the shorter window.)
 """
 from __future__ import annotations
 
